@@ -1,0 +1,61 @@
+# Efficiently Serving LLMs -- every target sets up what it needs from nothing.
+#   make lab      JupyterLab in lessons/ (creates .venv on first use)
+#   make test     unit tests + every lesson executed and compared (nbval)
+#   make execute  re-run every lesson in place to refresh its committed outputs
+#   make wheelhouse   download every wheel into wheelhouse/ for a room with no network;
+#                     then `make lab PIP_OPTS="--no-index --find-links wheelhouse"` there
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+PORT        ?= 8888
+PIP_OPTS    ?=
+LESSONS     := $(sort $(wildcard lessons/*.ipynb))
+# One thread per core of a small laptop: the lessons' timings assume it, and it keeps the
+# numbers comparable between machines.
+export OMP_NUM_THREADS ?= 2
+# No model hub at run time: the course ships its model. (Unset to use hub models.)
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export MPLBACKEND ?= Agg
+
+.PHONY: lab test unit nbval execute sync-notebooks images model wheelhouse clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt -e ".[dev]"
+	@touch $@
+
+lab: $(STAMP)
+	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=.
+
+test: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider tests lessons --nbval --nbval-current-env \
+	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+
+unit: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider tests
+
+nbval: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider lessons --nbval --nbval-current-env \
+	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+
+execute: $(STAMP)
+	$(PY) scripts/execute_notebooks.py $(LESSONS)
+
+sync-notebooks: $(STAMP)
+	$(PY) scripts/sync_notebooks.py
+
+images: $(STAMP)
+	$(PY) scripts/draw_diagrams.py
+
+model: $(STAMP)
+	$(PY) scripts/train_tokenizer.py
+	$(PY) scripts/train_model.py
+
+wheelhouse:
+	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse ".[dev]" setuptools wheel
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

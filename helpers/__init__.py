@@ -1,0 +1,48 @@
+"""Helpers for the course *Efficiently Serving LLMs*.
+
+Everything the lessons use is importable from here: ``from helpers import load_model``.
+Each function's docstring names the lesson that introduces it.
+"""
+
+from .generation import (
+    Generation,
+    cache_nbytes,
+    generate_no_cache,
+    generate_with_cache,
+    kv_cache_bytes,
+    kv_cache_bytes_for,
+    kv_width,
+    next_token_candidates,
+)
+from .models import (
+    BUNDLED_MODEL_DIR,
+    MODEL_ENV_VAR,
+    default_device,
+    load_model,
+    load_tokenizer,
+    resolve_model_name,
+)
+from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
+
+__all__ = [
+    "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "LivePlot", "cache_nbytes",
+    "default_device", "generate_no_cache", "generate_with_cache", "kv_cache_bytes",
+    "kv_cache_bytes_for", "kv_width", "load_model", "load_tokenizer", "next_token_candidates",
+    "rerun_controls", "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
+]
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy (when installed) and torch, so that a lesson runs the same twice."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
