@@ -22,6 +22,23 @@ from .models import (
     load_tokenizer,
     resolve_model_name,
 )
+from .quantization import (
+    LLAMA2_70B,
+    QuantState,
+    conv1d_to_linear,
+    dequantize,
+    dequantize_model,
+    footprint,
+    gpu_memory_estimate,
+    import_torchao,
+    kv_cache_plan,
+    perplexity,
+    quantization_errors,
+    quantize,
+    quantize_model,
+    quiet_stderr,
+    torchao_int8_weight_only,
+)
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
 __all__ = [
@@ -29,6 +46,11 @@ __all__ = [
     "default_device", "generate_no_cache", "generate_with_cache", "kv_cache_bytes",
     "kv_cache_bytes_for", "kv_width", "load_model", "load_tokenizer", "next_token_candidates",
     "rerun_controls", "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
+    # lesson 04: quantization
+    "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
+    "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",
+    "quantization_errors", "quantize", "quantize_model", "quiet_stderr",
+    "torchao_int8_weight_only",
 ]
 
 

@@ -88,6 +88,19 @@ def load_model(name: str | os.PathLike | None = None, device=None, dtype=None):
     return model, tokenizer
 
 
+def _quiet_torchao() -> None:
+    """When torchao is installed, transformers imports it while loading a model, and on a
+    machine without its CUDA extensions that import prints warnings on stderr. Import it once,
+    quietly, first (lesson 04 uses torchao; the other lessons should not hear about it)."""
+    import importlib.util
+    import sys
+
+    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is not None:
+        from .quantization import import_torchao
+
+        import_torchao(missing_ok=True)
+
+
 def _from_pretrained(cls, path: str, **kwargs):
     """``cls.from_pretrained(path)`` with an error that says what to do when offline.
 
@@ -96,6 +109,7 @@ def _from_pretrained(cls, path: str, **kwargs):
     """
     from transformers.utils import logging as hf_logging
 
+    _quiet_torchao()
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -26,7 +26,8 @@ def _pyproject():
 
 def test_environment_yml_names_the_same_packages_as_pyproject():
     project = _pyproject()["project"]
-    expected = {r for r in project["dependencies"]} | set(project["optional-dependencies"]["lab"])
+    extras = project["optional-dependencies"]
+    expected = set(project["dependencies"]) | set(extras["lab"]) | set(extras["quant"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     listed = {r for r in pip if not r.startswith("-")}

@@ -1,0 +1,190 @@
+"""Lesson 04's figures: what 8-bit quantization saves and costs on the bundled model.
+
+    python benchmarks/bench_quantization.py            # about a minute on 2 CPU cores
+
+Measures, for the bundled model on CPU:
+  * memory footprint: fp32, hand-made uint8 (per-tensor and per-channel, states counted),
+    torchao int8 weight-only (after turning GPT-2's Conv1D layers into nn.Linear), and torchao
+    applied to the model as it is (which finds only the tied output head);
+  * perplexity on held-out text (``corpus(seed=1)``) for each, and at 4 bits for contrast;
+  * decode speed: median seconds for ``--tokens`` greedy tokens with the KV cache;
+  * the greedy continuation of the course prompts.
+
+Writes benchmarks/results/quantization.json and quantization.md and prints the markdown.
+"""
+
+import argparse
+import copy
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from helpers.quantization import (dequantize_model, footprint, import_torchao,  # noqa: E402
+                                  perplexity, quantize_model, quiet_stderr,
+                                  torchao_int8_weight_only)
+
+PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
+
+
+def decode_seconds(models: dict, tokenizer, tokens: int, repeats: int) -> dict[str, float]:
+    """Median seconds to generate ``tokens`` greedy tokens, for each model.
+
+    The models take turns (one run each per round, after a warm-up round), so that a change
+    in the machine's load during the measurement hits all of them alike.
+    """
+    from helpers import generate_with_cache
+
+    runs = {name: [] for name in models}
+    for _ in range(repeats + 1):
+        for name, model in models.items():
+            out = generate_with_cache(model, tokenizer, PROMPTS[0], tokens, stop_at_eos=False)
+            runs[name].append(out.latency)
+    return {name: statistics.median(r[1:]) for name, r in runs.items()}
+
+
+def continuations(model, tokenizer, tokens: int = 20) -> dict[str, str]:
+    from helpers import generate_with_cache
+
+    return {p: generate_with_cache(model, tokenizer, p, tokens, stop_at_eos=False).text
+            for p in PROMPTS}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--docs", type=int, default=200, help="held-out documents for perplexity")
+    ap.add_argument("--tokens", type=int, default=50, help="greedy tokens per timed run")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs (the median is kept)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    try:
+        torchao = import_torchao()  # first, so that loading the model prints nothing either
+    except ImportError as err:
+        torchao = None
+        print(f"[torchao missing: {err}]")
+
+    from helpers import load_model
+    from helpers.corpus import corpus
+
+    model, tokenizer = load_model(device="cpu")
+    texts = corpus(seed=1, n_docs=args.docs)
+    base = footprint(model)
+    rows, timed = [], {}
+
+    def record(name, fp, ppl_model, speed_model=None, extra=None):
+        row = {"variant": name, "bytes": fp["total"], "bytes_parameters": fp["parameters"],
+               "bytes_states": fp["states"], "ratio_to_fp32": fp["total"] / base["total"],
+               "perplexity": perplexity(ppl_model, tokenizer, texts)}
+        if speed_model is not None:
+            timed[name] = speed_model
+            row["text"] = continuations(speed_model, tokenizer)
+        row.update(extra or {})
+        rows.append(row)
+        print(f"  {name}: ratio {row['ratio_to_fp32']:.4f}, perplexity {row['perplexity']:.4f}")
+
+    print("fp32 and hand-made uint8 ...")
+    record("fp32", base, model, model)
+    for label, axis, bits in [("uint8 per-tensor", None, 8), ("uint8 per-channel (axis=-1)", -1, 8),
+                              ("uint8 per-channel (axis=0)", 0, 8), ("4-bit per-tensor", None, 4),
+                              ("4-bit per-channel (axis=-1)", -1, 4)]:
+        qmodel, states = quantize_model(model, axis=axis, bits=bits)
+        start = time.perf_counter()
+        restored = dequantize_model(qmodel, states)
+        seconds = time.perf_counter() - start
+        speed_model = restored if bits == 8 and axis is None else None  # the others run alike
+        record(label, footprint(qmodel, states), restored, speed_model,
+               {"dequantize_seconds": seconds, "axis": axis, "bits": bits})
+
+    if torchao is not None:
+        print("torchao int8 weight-only ...")
+        small = torchao_int8_weight_only(model)
+        record("torchao int8 weight-only (Conv1D -> Linear)", footprint(small), small, small,
+               {"quantized_layers": sum(type(m.weight) is not torch.nn.Parameter
+                                        for m in small.modules() if isinstance(m, torch.nn.Linear))})
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        naive = copy.deepcopy(model)
+        with quiet_stderr():
+            quantize_(naive, Int8WeightOnlyConfig())
+        record("torchao quantize_ on the model as it is", footprint(naive), naive, None,
+               {"quantized_layers": [n for n, m in naive.named_modules()
+                                     if isinstance(m, torch.nn.Linear)
+                                     and type(m.weight) is not torch.nn.Parameter],
+                "lm_head_still_tied": naive.lm_head.weight is naive.transformer.wte.weight})
+
+    print(f"decode speed ({args.repeats} rounds of {args.tokens} tokens, models taking turns) ...")
+    seconds = decode_seconds(timed, tokenizer, args.tokens, args.repeats)
+    for row in rows:
+        if row["variant"] in seconds:
+            row["decode_seconds"] = seconds[row["variant"]]
+            row["ms_per_token"] = 1000 * seconds[row["variant"]] / args.tokens
+
+    result = {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, torch threads: {torch.get_num_threads()}",
+        "torch": torch.__version__, "torchao": getattr(torchao, "__version__", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "held_out_docs": args.docs, "decode_tokens": args.tokens, "repeats": args.repeats,
+        "rows": rows,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quantization.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = to_markdown(result)
+    (out / "quantization.md").write_text(md)
+    print(md)
+
+
+def to_markdown(result) -> str:
+    lines = [
+        "# Quantization of the bundled model (lesson 04)",
+        "",
+        f"{result['when']}, {result['machine']}, torch {result['torch']}, torchao "
+        f"{result['torchao']}. {result['parameters']:,} parameters; perplexity on "
+        f"{result['held_out_docs']} held-out documents (`corpus(seed=1)`); decode time = median "
+        f"of {result['repeats']} runs of {result['decode_tokens']} greedy tokens with the KV cache "
+        f"(the timed models take turns). Timings depend on the machine and its load.",
+        "",
+        "| variant | bytes | ratio to fp32 | of which states | perplexity | decode s | ms/token |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        speed = (f"{r['decode_seconds']:.3f} | {r['ms_per_token']:.1f}" if "decode_seconds" in r
+                 else " | ")
+        lines.append(f"| {r['variant']} | {r['bytes']:,} | {r['ratio_to_fp32']:.4f} | "
+                     f"{r['bytes_states']:,} | {r['perplexity']:.4f} | {speed} |")
+    lines += ["", "Hand-made rows: the bytes are those of the uint8 codes plus the states; the "
+              "perplexity is that of the dequantized model (which runs at fp32 speed again).", ""]
+    for r in result["rows"]:
+        if "dequantize_seconds" in r and "decode_seconds" in r:
+            lines.append(f"`dequantize_model` for `{r['variant']}` took "
+                         f"{r['dequantize_seconds']:.3f} s (once, before generating).")
+            lines.append("")
+    for r in result["rows"]:
+        if "quantized_layers" in r and isinstance(r["quantized_layers"], list):
+            lines.append(f"`{r['variant']}` quantized only {r['quantized_layers']}; lm_head still "
+                         f"tied to the embedding: {r['lm_head_still_tied']}.")
+            lines.append("")
+    lines += ["## Greedy continuations", ""]
+    for r in result["rows"]:
+        if "text" in r:
+            lines.append(f"**{r['variant']}**")
+            lines.append("")
+            lines += [f"- {p!r} → {t!r}" for p, t in r["text"].items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
