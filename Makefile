@@ -9,6 +9,9 @@ PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
+# transformers 4.57: the helpers' unit tests run there too (make compat, part of make test)
+VENV_TF4    ?= .venv-tf4
+STAMP_TF4   := $(VENV_TF4)/.installed
 PORT        ?= 8888
 PIP_OPTS    ?=
 LESSONS     := $(sort $(wildcard lessons/*.ipynb))
@@ -20,7 +23,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab test unit nbval execute sync-notebooks images model wheelhouse clean
+.PHONY: lab test unit nbval compat bench execute sync-notebooks images model wheelhouse clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,9 +33,23 @@ $(STAMP): pyproject.toml constraints.txt
 lab: $(STAMP)
 	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=.
 
-test: $(STAMP)
+test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+
+$(STAMP_TF4): constraints-tf4.txt
+	@test -x $(VENV_TF4)/bin/python || $(PYTHON) -m venv $(VENV_TF4)
+	$(VENV_TF4)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    -c constraints-tf4.txt torch transformers tokenizers huggingface-hub safetensors \
+	    accelerate peft pytest tqdm matplotlib ipython ipywidgets
+	@touch $@
+
+compat: $(STAMP_TF4)
+	PYTHONPATH=. $(VENV_TF4)/bin/python -m pytest -p no:cacheprovider -q tests/test_batching.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_batching.py
+	$(PY) benchmarks/bench_quantization.py
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests
@@ -58,4 +75,4 @@ wheelhouse:
 	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse ".[dev]" setuptools wheel
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_TF4) .pytest_cache build *.egg-info

@@ -4,6 +4,28 @@ Everything the lessons use is importable from here: ``from helpers import load_m
 Each function's docstring names the lesson that introduces it.
 """
 
+from .batching import (
+    Batch,
+    Step,
+    Trace,
+    cache_from_layers,
+    cache_layers,
+    filter_batch,
+    generate_batched,
+    generate_continuous,
+    generate_next_token,
+    generate_sequential,
+    generate_static,
+    ideal_decode_steps,
+    init_batch,
+    left_pad,
+    merge_batches,
+    model_context,
+    plot_timeline,
+    position_ids_from_mask,
+    static_decode_steps,
+    transformers_generate_batch,
+)
 from .generation import (
     Generation,
     cache_nbytes,
@@ -46,6 +68,12 @@ __all__ = [
     "default_device", "generate_no_cache", "generate_with_cache", "kv_cache_bytes",
     "kv_cache_bytes_for", "kv_width", "load_model", "load_tokenizer", "next_token_candidates",
     "rerun_controls", "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
+    # lessons 02-03: batching
+    "Batch", "Step", "Trace", "cache_from_layers", "cache_layers", "filter_batch",
+    "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
+    "generate_static", "ideal_decode_steps", "init_batch", "left_pad", "merge_batches",
+    "model_context", "plot_timeline", "position_ids_from_mask", "static_decode_steps",
+    "transformers_generate_batch",
     # lesson 04: quantization
     "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",

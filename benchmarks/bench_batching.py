@@ -1,0 +1,252 @@
+"""Benchmark of lessons 02-03: static versus continuous batching, and our batched decode
+versus transformers.
+
+    python benchmarks/bench_batching.py            # full run (a few minutes on a laptop CPU)
+    python benchmarks/bench_batching.py --quick    # fewer repetitions, for a smoke test
+
+What it measures, on the course's queue (32 requests, batch size 8, every 8th request wants
+100 tokens and the others 10; the five course prompts in turn):
+
+1. static versus continuous batching: wall time (median and spread over repetitions), decode
+   steps, and the decode steps of the ideal schedule (``ideal_decode_steps``) and of static
+   batching (``static_decode_steps``). Run twice: "as asked" (every request gets exactly its
+   max_tokens: EOS is an ordinary token), which is the queue the lesson describes, and "with
+   EOS" (the drivers' default rule), where a request may end early.
+2. our batched generation (``generate_batched``) versus ``model.generate`` on the same batch
+   (the first 8 requests, 100 new tokens each), checking that the tokens are the same.
+3. transformers' own continuous batching (``transformers_generate_batch``, the manager behind
+   ``model.generate_batch``) on the same queue, checking that the answers are the same.
+
+Targets (lesson 03, this CPU): continuous >= 3.0x faster than static; decode steps within 15 %
+of the ideal bound; our batched generation <= 1.2x the time of ``model.generate``.
+
+Writes ``benchmarks/results/bench_batching.json`` and ``.md`` and prints the table. Exits
+with status 1 when a target is missed. Timings are only as quiet as the machine: the load
+average before the run is recorded with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from helpers import load_model  # noqa: E402
+from helpers.batching import (Trace, generate_batched, generate_continuous,  # noqa: E402
+                              generate_static, ideal_decode_steps, static_decode_steps,
+                              transformers_generate_batch)
+
+PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
+           "Jack and Jill", "Humpty Dumpty sat"]
+BATCH_SIZE = 8
+TARGETS = {"speedup": 3.0, "steps_over_ideal": 1.15, "ours_over_generate": 1.2}
+
+
+def course_queue(n=32, every=8, long=100, short=10):
+    """The lesson-03 queue: every ``every``-th request wants ``long`` tokens, the rest ``short``."""
+    return [(PROMPTS[i % len(PROMPTS)], long if i % every == 0 else short) for i in range(n)]
+
+
+def spread(values):
+    """Median, min and max of a list of timings, in seconds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": [round(v, 4) for v in values]}
+
+
+def run_drivers(model, tokenizer, queue, reps, stop_at_eos):
+    """Static and continuous batching on ``queue``, alternating, ``reps`` times (after a
+    warm-up run of each)."""
+    seconds = {"static": [], "continuous": []}
+    traces, answers = {}, {}
+    drivers = {"static": generate_static, "continuous": generate_continuous}
+    for rep in range(reps + 1):
+        for name, driver in drivers.items():
+            trace = Trace()
+            answers[name] = driver(model, tokenizer, queue, batch_size=BATCH_SIZE, progress=False,
+                                   stop_at_eos=stop_at_eos, trace=trace)
+            traces[name] = trace
+            if rep > 0:                      # run 0 warms up
+                seconds[name].append(trace.seconds)
+    # Forward passes a request needs: its tokens, plus the EOS if it stopped at one.
+    counts = [len(ids) + (len(ids) < max_tokens)
+              for ids, (_, max_tokens) in zip(traces["continuous"].token_ids, queue)]
+    static, continuous = spread(seconds["static"]), spread(seconds["continuous"])
+    ideal = ideal_decode_steps(counts, BATCH_SIZE)
+    return {
+        "stop_at_eos": stop_at_eos,
+        "tokens": sum(len(ids) for ids in traces["continuous"].token_ids),
+        "static": dict(static, decode_steps=traces["static"].decode_steps,
+                       prefill_steps=traces["static"].prefill_steps,
+                       slot_utilization=traces["static"].utilization()),
+        "continuous": dict(continuous, decode_steps=traces["continuous"].decode_steps,
+                           prefill_steps=traces["continuous"].prefill_steps,
+                           slot_utilization=traces["continuous"].utilization()),
+        "ideal_decode_steps": ideal,
+        "static_decode_steps_bound": static_decode_steps(counts, BATCH_SIZE),
+        "speedup": static["median"] / continuous["median"],
+        # Each repetition ran static then continuous: their ratio pairs runs under the same load.
+        "speedup_per_run": [round(a / b, 3) for a, b in zip(seconds["static"], seconds["continuous"])],
+        "steps_over_ideal": traces["continuous"].decode_steps / ideal,
+        "same_answers": answers["static"] == answers["continuous"],
+        "decode_seconds_per_step": {
+            name: statistics.median([s.seconds for s in traces[name].steps if s.kind == "decode"])
+            for name in drivers},
+        "merge_filter_seconds": traces["continuous"].seconds
+        - sum(s.seconds for s in traces["continuous"].steps),
+    }
+
+
+def run_generate(model, tokenizer, reps, new_tokens):
+    """Our batched generation versus model.generate on one batch of 8 prompts."""
+    prompts = [p for p, _ in course_queue()[:BATCH_SIZE]]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    ours, theirs = [], []
+    for rep in range(reps + 1):
+        trace = Trace()
+        generate_batched(model, tokenizer, prompts, max_new_tokens=new_tokens, stop_at_eos=False,
+                         trace=trace)
+        start = time.perf_counter()
+        with torch.no_grad():
+            # eos_token_id=[]: no stopping token, exactly new_tokens tokens per row, as ours.
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=[], pad_token_id=tokenizer.pad_token_id)
+        seconds = time.perf_counter() - start
+        if rep > 0:
+            ours.append(trace.seconds)
+            theirs.append(seconds)
+    same = out[:, inputs["input_ids"].shape[1]:].tolist() == trace.token_ids
+    ours, theirs = spread(ours), spread(theirs)
+    return {"batch": len(prompts), "new_tokens": new_tokens, "ours": ours, "generate": theirs,
+            "ours_over_generate": ours["median"] / theirs["median"], "same_tokens": same}
+
+
+def run_generate_batch(model, tokenizer, queue, reps):
+    """transformers' continuous batching versus ours, on the queue, with the EOS rule."""
+    seconds, ours = [], []
+    for rep in range(reps + 1):
+        start = time.perf_counter()
+        theirs = transformers_generate_batch(model, tokenizer, queue, batch_size=BATCH_SIZE)
+        elapsed = time.perf_counter() - start
+        trace = Trace()
+        answers = generate_continuous(model, tokenizer, queue, batch_size=BATCH_SIZE,
+                                      progress=False, trace=trace)
+        if rep > 0:
+            seconds.append(elapsed)
+            ours.append(trace.seconds)
+    theirs_s, ours_s = spread(seconds), spread(ours)
+    return {"generate_batch": theirs_s, "ours_continuous": ours_s,
+            "ours_over_generate_batch": ours_s["median"] / theirs_s["median"],
+            "same_answers": theirs == answers}
+
+
+def markdown(result):
+    q, e, g = result["course_queue"], result["course_queue_with_eos"], result["generate"]
+    lines = [
+        "# Batching benchmark (lessons 02-03)",
+        "",
+        f"Model: `{result['model']}`; {result['machine']}; torch {result['torch']}, "
+        f"transformers {result['transformers']}, {result['threads']} thread(s), "
+        f"{result['reps']} repetitions (median, min-max); load average before the run "
+        f"{', '.join(f'{x:.1f}' for x in result['load_average'] or [])}.",
+        "",
+        "| queue | driver | seconds (median) | min-max | decode steps | ideal | prefills | slots busy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, run in (("as asked", q), ("with EOS", e)):
+        for name in ("static", "continuous"):
+            r = run[name]
+            ideal = run["ideal_decode_steps"] if name == "continuous" else run["static_decode_steps_bound"]
+            lines.append(f"| {label} ({run['tokens']} tokens) | {name} | {r['median']:.3f} | "
+                         f"{r['min']:.3f}-{r['max']:.3f} | {r['decode_steps']} | {ideal} | "
+                         f"{r['prefill_steps']} | {r['slot_utilization']:.0%} |")
+    lines += [
+        "",
+        f"- continuous vs static, as asked: **{q['speedup']:.2f}x** faster "
+        f"(per repetition {min(q['speedup_per_run']):.2f}-{max(q['speedup_per_run']):.2f}; "
+        f"target >= {TARGETS['speedup']}x); with EOS: {e['speedup']:.2f}x.",
+        f"- decode steps / ideal bound: **{q['steps_over_ideal']:.3f}** as asked, "
+        f"{e['steps_over_ideal']:.3f} with EOS (target <= {TARGETS['steps_over_ideal']}).",
+        f"- our batched generation vs `model.generate` ({g['batch']} prompts x {g['new_tokens']} "
+        f"tokens): {g['ours']['median']:.3f} s vs {g['generate']['median']:.3f} s = "
+        f"**{g['ours_over_generate']:.2f}x** (target <= {TARGETS['ours_over_generate']}x); "
+        f"same tokens: {g['same_tokens']}.",
+    ]
+    if "generate_batch" in result:
+        b = result["generate_batch"]
+        lines.append(
+            f"- transformers `generate_batch` (its continuous batching, with EOS, set-up "
+            f"included): {b['generate_batch']['median']:.3f} s; ours: "
+            f"{b['ours_continuous']['median']:.3f} s = **{b['ours_over_generate_batch']:.2f}x** "
+            f"its time; same answers: {b['same_answers']}.")
+    lines += ["", "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
+                                        for k, v in result["targets_met"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (after a warm-up)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: the bundled model is so small that a "
+                             "second thread only adds waiting, and far more of it when anything "
+                             "else runs on the machine)")
+    parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    args = parser.parse_args(argv)
+    reps = args.reps or (2 if args.quick else 5)
+    if reps < 1:
+        parser.error("--reps must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    model, tokenizer = load_model(args.model, device="cpu")
+    queue = course_queue()
+    result = {
+        "model": args.model or "bundled", "reps": reps, "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+        "transformers": transformers.__version__, "batch_size": BATCH_SIZE,
+        "queue": [{"prompt": p, "max_tokens": m} for p, m in queue],
+    }
+    print(f"course queue, as asked (x{reps}) ...", flush=True)
+    result["course_queue"] = run_drivers(model, tokenizer, queue, reps, stop_at_eos=False)
+    print(f"course queue, with EOS (x{reps}) ...", flush=True)
+    result["course_queue_with_eos"] = run_drivers(model, tokenizer, queue, reps, stop_at_eos=True)
+    print(f"batched generation vs model.generate (x{reps}) ...", flush=True)
+    result["generate"] = run_generate(model, tokenizer, reps, new_tokens=100)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        print(f"transformers generate_batch (x{reps}) ...", flush=True)
+        result["generate_batch"] = run_generate_batch(model, tokenizer, queue, reps)
+    q, g = result["course_queue"], result["generate"]
+    result["targets_met"] = {
+        "continuous >= 3.0x static": q["speedup"] >= TARGETS["speedup"],
+        "decode steps within 15% of ideal": q["steps_over_ideal"] <= TARGETS["steps_over_ideal"],
+        "ours <= 1.2x model.generate": g["ours_over_generate"] <= TARGETS["ours_over_generate"],
+        "same answers everywhere": q["same_answers"] and result["course_queue_with_eos"]["same_answers"]
+        and g["same_tokens"] and result.get("generate_batch", {}).get("same_answers", True),
+    }
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_batching.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    (out / "bench_batching.md").write_text(text)
+    print(text)
+    return 0 if all(result["targets_met"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
