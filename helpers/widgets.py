@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state, no double drawing
+from matplotlib.ticker import FuncFormatter
 
 #: Colours of the series, in order (colour-blind safe).
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
@@ -116,6 +117,7 @@ class LivePlot:
         ax.grid(alpha=0.3)
         if self.logx:
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4 … not 2⁰ …
         if self.logy:
             ax.set_yscale("log")
         if ax2 is not None:

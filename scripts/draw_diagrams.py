@@ -91,6 +91,209 @@ def kv_cache():
     return fig
 
 
+@diagram
+def padding():
+    """Lesson 02: left padding, the attention mask and the position ids of one batch."""
+    fig, ax = canvas(10, 6.4)
+    rows = [["The", " quick", " brown", " fox", " jumped", " over", " the"],
+            ["The", " rain", " in", " Spain", " falls"],
+            ["What", " comes", " up", " must"],
+            ["Jack", " and", " Jill"],
+            ["Humpty", " Dumpty", " sat"]]
+    width = max(len(r) for r in rows)
+    h = 0.36                                              # height of a row of cells
+
+    # 1. the padded tokens: PAD (= the EOS token) on the left, every prompt ends in the last column
+    ax.text(0.2, 6.15, "input_ids: pad on the LEFT (PAD = <|endoftext|>, the EOS token)",
+            fontsize=11, weight="bold")
+    x0, w, top = 1.0, 0.95, 5.65
+    for i, r in enumerate(rows):
+        y = top - i * (h + 0.08)
+        pads = width - len(r)
+        for j in range(width):
+            if j < pads:
+                box(ax, x0 + j * w, y, w - 0.08, h, "PAD", GREY, fill=0.12, size=8)
+            else:
+                box(ax, x0 + j * w, y, w - 0.08, h, r[j - pads].strip(), BLUE, size=8)
+        ax.text(x0 - 0.15, y + h / 2, f"row {i}", ha="right", va="center", fontsize=8)
+    last = x0 + (width - 1) * w
+    bottom = top - (len(rows) - 1) * (h + 0.08)
+    ax.add_patch(FancyBboxPatch((last - 0.06, bottom - 0.06), w + 0.04, top + h - bottom + 0.12,
+                                boxstyle="round,pad=0.02", fc="none", ec=ORANGE, lw=2))
+    ax.text(last + w + 0.1, top - 0.6, "every row's\nnewest token:\nlogits[:, -1]\npicks the next\n"
+            "token of all\nrows at once", fontsize=8.5, color=ORANGE, va="top")
+
+    # 2. the attention mask and 3. the position ids, side by side below
+    def grid(x, title, values, real_color, note):
+        ax.text(x, 3.15, title, fontsize=10.5, weight="bold")
+        cw = 0.5
+        for i, r in enumerate(values):
+            y = 2.65 - i * (h + 0.08)
+            for j, (v, real) in enumerate(r):
+                box(ax, x + j * cw, y, cw - 0.07, h, str(v), real_color if real else GREY,
+                    fill=0.3 if real else 0.08, size=8, weight="bold" if real else "normal")
+        ax.text(x, 2.65 - len(values) * (h + 0.08) + 0.2, note, fontsize=8.5, va="top")
+
+    mask = [[(int(j >= width - len(r)), j >= width - len(r)) for j in range(width)] for r in rows]
+    grid(0.2, "attention_mask", mask, GREEN,
+         "1 = a real token, 0 = padding:\nattention never looks at a 0 column")
+    positions = []
+    for r in rows:
+        pads = width - len(r)
+        positions.append([(1, False) if j < pads else (j - pads, True) for j in range(width)])
+    grid(5.4, "position_ids = cumsum(mask) − 1", positions, PINK,
+         "each prompt starts at position 0, as if alone;\npadding gets 1 (any value would do: "
+         "it is masked)")
+    return fig
+
+
+@diagram
+def zero_point():
+    """Lesson 04: zero-point (affine) quantization maps the range [min, max] onto codes 0..255."""
+    fig, ax = canvas(10, 5.2)
+    lo, hi, x = -0.42, 0.61, 0.33                       # an example range and one value in it
+    scale = (hi - lo) / 255
+    x0, x1, yf, yq = 1.3, 9.3, 4.3, 2.75
+
+    def at(value):                                      # where a float sits on both lines
+        return x0 + (value - lo) / (hi - lo) * (x1 - x0)
+
+    # the float line, with a few weights drawn as dots above it
+    ax.plot([x0, x1], [yf, yf], color=BLUE, lw=2)
+    ax.text(0.1, yf, "float\nweights", fontsize=10, color=BLUE, va="center", weight="bold")
+    dots = [-0.41, -0.2, -0.12, -0.07, -0.05, -0.02, 0.0, 0.01, 0.03, 0.04, 0.06, 0.09, 0.13,
+            0.18, 0.25, 0.33, 0.61]
+    ax.scatter([at(v) for v in dots], [yf + 0.13] * len(dots), s=14, color=BLUE, zorder=3)
+    # the code line: 256 integer codes, a tick every 17
+    ax.plot([x0, x1], [yq, yq], color=ORANGE, lw=2)
+    ax.text(0.1, yq, "uint8\ncodes", fontsize=10, color=ORANGE, va="center", weight="bold")
+    for code in range(0, 256, 17):
+        px = at(lo + code * scale)
+        ax.plot([px, px], [yq - 0.07, yq + 0.07], color=ORANGE, lw=1)
+
+    z = round(-lo / scale)
+    q = round((x - lo) / scale)
+    marks = [  # float value, label above, code, label below, colour
+        (lo, "min\n= zero point", 0, "0", BLUE),
+        (0.0, "0.0", z, f"z = {z}", GREEN),
+        (x, "x", q, f"q = {q}", PINK),
+        (hi, "max", 255, "255", BLUE),
+    ]
+    for value, top, code, bottom, color in marks:
+        px = at(value)
+        ax.text(px, yf + 0.3, top, ha="center", va="bottom", fontsize=9, color=color)
+        arrow(ax, px, yf - 0.05, at(lo + code * scale), yq + 0.1, color=color)
+        ax.text(at(lo + code * scale), yq - 0.15, bottom, ha="center", va="top", fontsize=9,
+                color=color, weight="bold")
+
+    # a zoom on three neighbouring codes: one step is one scale
+    zx0, zy = 5.6, 0.75
+    ax.add_patch(FancyBboxPatch((at(x) - 0.18, yq - 0.12), 0.36, 0.24,
+                                boxstyle="round,pad=0.01", fc="none", ec=GREY, lw=1))
+    ax.plot([at(x), zx0 + 1.9], [yq - 0.6, zy + 0.55], color=GREY, lw=0.8, ls=":")
+    ax.plot([zx0 - 0.1, zx0 + 3.9], [zy, zy], color=ORANGE, lw=2)
+    for i, label in enumerate([f"{q - 1}", f"{q}", f"{q + 1}"]):
+        px = zx0 + 0.4 + i * 1.5
+        ax.plot([px, px], [zy - 0.1, zy + 0.1], color=ORANGE, lw=1.5)
+        ax.text(px, zy - 0.15, label, ha="center", va="top", fontsize=9, color=ORANGE)
+    ax.add_patch(FancyBboxPatch((zx0 + 1.15, zy - 0.06), 1.5, 0.12, boxstyle="square,pad=0",
+                                fc=matplotlib.colors.to_rgba(PINK, 0.35), ec="none"))
+    arrow(ax, zx0 + 0.4, zy + 0.3, zx0 + 1.9, zy + 0.3, style="<|-|>", color="black")
+    ax.text(zx0 + 1.15, zy + 0.36, "scale", ha="center", va="bottom", fontsize=9)
+    ax.text(zx0 + 3.1, zy + 0.3, "every x in the pink band\nrounds to q: error ≤ scale / 2",
+            fontsize=8, color=PINK, va="center")
+
+    ax.text(0.1, 1.05,
+            "scale = (max − min) / 255\n"
+            "q = clamp(round((x − min) / scale), 0, 255)   → uint8\n"
+            "x′ = q × scale + min   (dequantize)\n"
+            "per-tensor: one (scale, min) for the matrix\n"
+            "per-channel: one pair per row or column",
+            fontsize=9, va="center", linespacing=1.5)
+    return fig
+
+
+@diagram
+def continuous_batching():
+    """Lesson 03: static batching leaves finished rows idle; continuous batching refills them."""
+    fig, ax = canvas(11, 5.9)
+    steps = [8, 2, 3, 2, 3, 2, 4, 3]          # decode steps each request of the queue needs
+    colors = [BLUE, ORANGE, GREEN, PINK, "#E69F00", "#56B4E9", "#8C564B", "#7F3C8D"]
+    slots, u, x0, h = 4, 0.45, 0.9, 0.34        # slots per batch, width of a step, left edge, row
+
+    def request(y, slot, start, length, rid):
+        box(ax, x0 + start * u + 0.03, y - slot * 0.42, length * u - 0.06, h, f"R{rid}",
+            colors[rid], fill=0.45, size=8)
+
+    def idle(y, slot, start, length):
+        ax.add_patch(FancyBboxPatch((x0 + start * u + 0.03, y - slot * 0.42), length * u - 0.06, h,
+                                    boxstyle="square,pad=0", fc="white", ec=GREY, lw=0.8,
+                                    hatch="///", linestyle="--"))
+
+    def axes(y, end, label):
+        for s in range(slots):
+            ax.text(x0 - 0.12, y - s * 0.42 + h / 2, f"slot {s}", ha="right", va="center", fontsize=8)
+        base = y - (slots - 1) * 0.42 - 0.1
+        arrow(ax, x0, base, x0 + 12.8 * u, base, GREY, lw=1)
+        ax.text(x0, base - 0.08, "time, in decode steps →", va="top", fontsize=8,
+                color=GREY)
+        ax.plot([x0 + end * u] * 2, [base, y + h + 0.12], color="black", lw=1.2, ls=":")
+        ax.text(x0 + end * u, y + h + 0.15, label, ha="center", fontsize=9, va="bottom",
+                weight="bold")
+
+    # Static batching: requests 0-3, then 4-7; each batch lasts as long as its longest request.
+    top = 4.75
+    ax.text(0.1, top + 0.75, "Static: a batch runs until its longest request is done",
+            fontsize=11, weight="bold")
+    start = 0
+    for first in (0, 4):
+        longest = max(steps[first:first + slots])
+        for slot in range(slots):
+            rid = first + slot
+            request(top, slot, start, steps[rid], rid)
+            if steps[rid] < longest:
+                idle(top, slot, start + steps[rid], longest - steps[rid])
+        start += longest
+    axes(top, start, f"{start} steps")
+    ax.text(x0 + 5.0 * u, top - 0.42 + h / 2, "idle: finished, still computed", fontsize=8,
+            color="#555555", ha="center", va="center",
+            bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
+
+    # Continuous batching: a freed slot takes the next request of the queue at once.
+    top = 1.85
+    ax.text(0.1, top + 0.75, "Continuous: a freed slot is refilled from the queue at once",
+            fontsize=11, weight="bold")
+    free_at = [0] * slots
+    for rid, length in enumerate(steps):
+        slot = min(range(slots), key=lambda s: (free_at[s], s))
+        request(top, slot, free_at[slot], length, rid)
+        free_at[slot] += length
+    axes(top, max(free_at), f"{max(free_at)} steps, no idle slot")
+
+    # The loop of the four helpers, on the right.
+    left, width, height = 7.0, 2.75, 0.9
+    ax.text(left + width / 2, 5.45, "one round of the loop", ha="center", fontsize=10,
+            weight="bold")
+    loop = [
+        ("init_batch + generate_next_token\nnewcomers read their prompts\n(the prefill)", GREEN),
+        ("merge_batches\npad the shorter history on the left,\nstack the rows", BLUE),
+        ("generate_next_token\none decode step:\na token for every row", ORANGE),
+        ("filter_batch\ndrop finished rows,\ntrim padding they all share", PINK),
+    ]
+    tops = [4.35 - i * 1.25 for i in range(len(loop))]
+    for i, ((text, color), y) in enumerate(zip(loop, tops)):
+        box(ax, left, y, width, height, text, color, size=8)
+        if i < len(loop) - 1:
+            arrow(ax, left + width / 2, y, left + width / 2, y - 0.35)
+    right, bottom_mid, top_mid = left + width, tops[-1] + height / 2, tops[0] + height / 2
+    ax.plot([right + 0.02, right + 0.3, right + 0.3], [bottom_mid, bottom_mid, top_mid],
+            color=PINK, lw=1.3)
+    arrow(ax, right + 0.3, top_mid, right + 0.04, top_mid, PINK)
+    ax.text(right + 0.4, (top_mid + bottom_mid) / 2, "free slots?\ntake requests\nfrom the queue",
+            fontsize=8, color=PINK, va="center")
+    return fig
+
+
 def main(names):
     IMG.mkdir(exist_ok=True)
     for name in names or DIAGRAMS:

@@ -47,7 +47,7 @@ if "google.colab" in sys.modules:
     repo = "/content/course"
     if not os.path.isdir(repo):
         subprocess.run(["git", "clone", "--quiet", "--depth", "1", REPO_URL, repo], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", repo], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", repo + "[quant]"], check=True)
     sys.path.insert(0, repo)
     os.chdir(os.path.join(repo, "lessons"))'''
 

@@ -43,7 +43,7 @@ def test_inside_colab_it_installs_the_course_and_nothing_colab_has(monkeypatch, 
     # The folder exists already, so no clone; one pip install of the repository itself.
     assert len(calls) == 1
     pip = calls[0]
-    assert pip[1:4] == ["-m", "pip", "install"] and pip[-1] == str(tmp_path)
+    assert pip[1:4] == ["-m", "pip", "install"] and pip[-1] == f"{tmp_path}[quant]"
     assert not [a for a in pip if any(a.startswith(n) for n in NEVER_REINSTALL)]
     assert pathlib.Path.cwd() == tmp_path / "lessons"
     assert sys.path[0] == str(tmp_path)
