@@ -1,6 +1,7 @@
 # Efficiently Serving LLMs -- every target sets up what it needs from nothing.
 #   make lab      JupyterLab in lessons/ (creates .venv on first use)
 #   make test     unit tests + every lesson executed and compared (nbval)
+#   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
 #   make wheelhouse   download every wheel into wheelhouse/ for a room with no network;
 #                     then `make lab PIP_OPTS="--no-index --find-links wheelhouse"` there
@@ -23,7 +24,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab test unit nbval compat bench execute sync-notebooks images model wheelhouse clean
+.PHONY: lab test test-browser unit nbval compat bench execute sync-notebooks images model wheelhouse clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +37,11 @@ lab: $(STAMP)
 test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+
+# Installs Debian's Chromium when missing (Playwright's own browser download is not used).
+test-browser: $(STAMP)
+	sh scripts/browser_setup.sh
+	$(PY) -m pytest -p no:cacheprovider tests/browser -q
 
 $(STAMP_TF4): constraints-tf4.txt
 	@test -x $(VENV_TF4)/bin/python || $(PYTHON) -m venv $(VENV_TF4)
