@@ -15,6 +15,8 @@ VENV_TF4    ?= .venv-tf4
 STAMP_TF4   := $(VENV_TF4)/.installed
 PORT        ?= 8888
 PIP_OPTS    ?=
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+ALLOW_ROOT  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LESSONS     := $(sort $(wildcard lessons/*.ipynb))
 # One thread per core of a small laptop: the lessons' timings assume it, and it keeps the
 # numbers comparable between machines.
@@ -32,7 +34,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 lab: $(STAMP)
-	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=.
+	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=. $(ALLOW_ROOT)
 
 test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --nbval --nbval-current-env \
