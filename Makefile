@@ -13,6 +13,9 @@ STAMP       := $(VENV)/.installed
 # transformers 4.57: the helpers' unit tests run there too (make compat, part of make test)
 VENV_TF4    ?= .venv-tf4
 STAMP_TF4   := $(VENV_TF4)/.installed
+# Colab's widget stack (ipywidgets 7.7.1, IPython 7.34): the widgets must work there too
+VENV_COLAB  ?= .venv-colab
+STAMP_COLAB := $(VENV_COLAB)/.installed
 PORT        ?= 8888
 PIP_OPTS    ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
@@ -37,7 +40,7 @@ lab: $(STAMP)
 	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=. $(ALLOW_ROOT)
 
 test: $(STAMP) compat
-	$(PY) -m pytest -p no:cacheprovider tests lessons --nbval --nbval-current-env \
+	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 
 # Installs Debian's Chromium when missing (Playwright's own browser download is not used).
@@ -52,15 +55,22 @@ $(STAMP_TF4): constraints-tf4.txt
 	    accelerate peft pytest tqdm matplotlib ipython ipywidgets
 	@touch $@
 
-compat: $(STAMP_TF4)
+$(STAMP_COLAB): constraints-colab.txt
+	@test -x $(VENV_COLAB)/bin/python || $(PYTHON) -m venv $(VENV_COLAB)
+	$(VENV_COLAB)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    -c constraints-colab.txt ipywidgets ipython ipykernel matplotlib nbclient nbformat pytest
+	@touch $@
+
+compat: $(STAMP_TF4) $(STAMP_COLAB)
 	PYTHONPATH=. $(VENV_TF4)/bin/python -m pytest -p no:cacheprovider -q tests/test_batching.py
+	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_batching.py
 	$(PY) benchmarks/bench_quantization.py
 
 unit: $(STAMP)
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat
 
 nbval: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider lessons --nbval --nbval-current-env \
@@ -83,4 +93,4 @@ wheelhouse:
 	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse ".[dev]" setuptools wheel
 
 clean:
-	rm -rf $(VENV) $(VENV_TF4) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) .pytest_cache build *.egg-info
