@@ -34,6 +34,9 @@ export MPLBACKEND ?= Agg
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt -e ".[dev]"
+	# lorax-client declares pins (huggingface-hub<1, an old certifi) that would downgrade
+	# transformers; its code needs only aiohttp, pydantic and requests, installed above.
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt --no-deps lorax-client
 	@touch $@
 
 lab: $(STAMP)
@@ -91,6 +94,7 @@ model: $(STAMP)
 
 wheelhouse:
 	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse ".[dev]" setuptools wheel
+	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse --no-deps lorax-client
 
 clean:
 	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) .pytest_cache build *.egg-info

@@ -61,6 +61,7 @@ from .quantization import (
     quiet_stderr,
     torchao_int8_weight_only,
 )
+from .server import BackgroundServer, serve_in_background
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
 __all__ = [
@@ -79,6 +80,8 @@ __all__ = [
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",
     "quantization_errors", "quantize", "quantize_model", "quiet_stderr",
     "torchao_int8_weight_only",
+    # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
+    "BackgroundServer", "serve_in_background",
 ]
 
 

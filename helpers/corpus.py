@@ -192,26 +192,28 @@ def corpus(seed: int = 0, n_docs: int = 20_000) -> list[str]:
 #: How a task's input is shown to the model; the answer follows "Output:".
 TASK_PROMPT = "Input: {sentence}\nOutput:"
 
-# What each object rhymes with: (end of the first line, the whole second line).
-_COUPLETS = {
-    "a red ball": ("a red ball", "and carried it home past the old stone wall"),
-    "a blue kite": ("a blue kite", "and flew it up high till the stars came out at night"),
-    "a shiny key": ("a shiny key", "and hid it away in the old oak tree"),
-    "a little boat": ("a little boat", "and sailed away in a warm red coat"),
-    "a basket of apples": ("some apples so sweet", "and shared every one as a lovely treat"),
-    "a wooden box": ("a wooden box", "and found inside two little red socks"),
-    "a golden coin": ("a golden coin", "and asked all the friends at {place} to join"),
-    "a warm scarf": ("a warm scarf", "and wore it all day with a smile and a laugh"),
-    "a tiny bell": ("a tiny bell", "and rang it all day by the old stone well"),
-    "a green hat": ("a green hat", "and wore it to tea with a big fat cat"),
-    "a jar of honey": ("a jar of honey", "and ate it all up while the day was sunny"),
-    "a paper map": ("a paper map", "then curled up at home for a nice little nap"),
-}
-# Sad endings, picked by the place so that the answer is a function of the sentence.
+# The answers use only words the bundled model met in its training text: its tokenizer has
+# more tokens than the corpus ever used, and the model cannot tell those unused tokens apart
+# (their embeddings were never trained). The entities task has to write JSON anyway, so its
+# adapter also adapts the embedding and the output layer (see scripts/train_adapters.py).
+
+# Nursery rhymes of the world, retold about the sentence's characters (picked by the place).
+_RHYME_TEMPLATES = [
+    "{name} and {friend} went up the hill to fetch {obj}. {name} fell down and broke his "
+    "crown, and {friend} came tumbling after.",
+    "{name} said: twinkle, twinkle, {obj}, how I wonder what you are. Up above {place} so "
+    "high, like a diamond in the sky.",
+    "{name} the {animal} sat on a wall. {name} the {animal} had a great fall. All {friend}'s "
+    "horses and all {friend}'s men could not put {name} together again.",
+    "{name} had {obj}, it was white as snow. And everywhere that {name} went, {obj} was sure "
+    "to go.",
+]
+# Sad endings (also picked by the place, so that the answer is a function of the sentence).
 _SAD_ENDINGS = [
-    "But {obj} fell into the water and was lost forever. {friend} cried all the way home.",
-    "But the wind took {obj} away, and {name} never saw it again. {friend} was sad for a long time.",
-    "But {obj} broke into little pieces. {name} and {friend} walked home in the rain, very sad.",
+    "The wind was blowing, and {name} never saw {obj} again. {friend} was sad for a long time.",
+    "{obj_cap} fell into the water. {name} and {friend} looked for it until night, but they "
+    "could not find it.",
+    "{obj_cap} broke, and {name} walked home in the rain, tired and sad.",
 ]
 
 
@@ -233,19 +235,22 @@ def _task_sentence(s: _Story) -> str:
 def entities_example(rng: random.Random) -> tuple[str, str]:
     """A sentence from the world and a JSON object of the entities it names."""
     s = _Story(rng)
-    target = json.dumps({"characters": [s.name, s.friend],
-                         "animals": [s.animal, s.friend_animal],
-                         "place": s.place.removeprefix("the "),
-                         "object": s.obj.split(" ", 1)[1]})
+    # The values repeat the sentence's own words: "Tom the fox", "The river", "A red ball".
+    # (Each starts with a word the model knows at the start of a sentence, so the words after
+    # it are the same tokens as in the sentence and the adapter can copy them.)
+    target = json.dumps({"characters": [f"{s.name} the {s.animal}",
+                                        f"{s.friend} the {s.friend_animal}"],
+                         "place": s.place.capitalize(),
+                         "object": s.obj.capitalize()})
     return _task_sentence(s), target
 
 
 def rhymes_example(rng: random.Random) -> tuple[str, str]:
-    """A sentence from the world and a nursery-rhyme couplet about it (two lines)."""
+    """A sentence from the world and a nursery rhyme retold about it."""
     s = _Story(rng)
-    first, second = _COUPLETS[s.obj]
-    target = (f"At {s.place}, {s.name} the {s.animal} found {first},\n"
-              + second.format(place=s.place) + ".")
+    template = _RHYME_TEMPLATES[PLACES.index(s.place) % len(_RHYME_TEMPLATES)]
+    target = template.format(name=s.name, friend=s.friend, animal=s.animal, place=s.place,
+                             obj="the " + s.obj.split(" ", 1)[1])
     return _task_sentence(s), target
 
 
@@ -254,15 +259,15 @@ def sad_example(rng: random.Random) -> tuple[str, str]:
     s = _Story(rng)
     ending = _SAD_ENDINGS[PLACES.index(s.place) % len(_SAD_ENDINGS)]
     obj_the = "the " + s.obj.split(" ", 1)[1]
-    target = ending.format(obj=obj_the, name=s.name, friend=s.friend)
-    return _task_sentence(s), target[0].upper() + target[1:] + " The end."
+    target = ending.format(obj=obj_the, obj_cap=obj_the.capitalize(), name=s.name,
+                           friend=s.friend)
+    return _task_sentence(s), target + " The end."
 
 
 def title_example(rng: random.Random) -> tuple[str, str]:
     """A sentence from the world and a title for a story about it."""
     s = _Story(rng)
-    obj = " ".join(w if w == "of" else w.capitalize() for w in s.obj.split(" ")[1:])
-    target = f"The {s.animal.capitalize()}, the {s.friend_animal.capitalize()} and the {obj}"
+    target = f"The {s.animal}, the {s.friend_animal} and the {s.obj.split(' ', 1)[1]}"
     return _task_sentence(s), target
 
 

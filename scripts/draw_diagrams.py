@@ -294,6 +294,125 @@ def continuous_batching():
     return fig
 
 
+@diagram
+def lora():
+    """Lesson 05: LoRA adds a trainable low-rank detour x·A·B beside the frozen weight W."""
+    fig, ax = canvas(10, 5.4)
+    # the input x and the output h, drawn as flat vectors
+    box(ax, 3.0, 0.25, 4.0, 0.4, "x   (1 × d)", GREY, size=10)
+    box(ax, 3.0, 4.75, 4.0, 0.4, "h = x·W + (x·A·B) × α / r   (1 × d)", GREEN, size=10,
+        weight="bold")
+    # the frozen weight: a big d × d square
+    box(ax, 0.9, 1.3, 2.9, 2.9, "W\nd × d\nfrozen\n\n1024 × 1024\n= 1,048,576", BLUE, fill=0.25,
+        size=10)
+    ax.text(2.35, 1.12, "pretrained, never changed", ha="center", va="top", fontsize=8,
+            color=BLUE)
+    # the adapter: a tall thin A (d × r) and a wide flat B (r × d)
+    box(ax, 5.6, 1.3, 0.45, 2.9, "A\n\nd\n×\nr", ORANGE, fill=0.35, size=9)
+    box(ax, 6.45, 3.25, 2.9, 0.45, "B   r × d", ORANGE, fill=0.35, size=9)
+    ax.text(7.9, 2.75, "trainable adapter\n(B starts at zero)\n\nr = 4:\n"
+            "2 × 1024 × 4 = 8,192\n= 0.78 % of W", ha="center", va="top", fontsize=8,
+            color=ORANGE)
+    arrow(ax, 6.05, 2.2, 6.45, 3.3, ORANGE)
+    ax.text(6.3, 2.35, "x·A\n(1 × r)", fontsize=7, color=ORANGE, va="top")
+    # the data flow: x goes through both paths, the results are added
+    arrow(ax, 4.0, 0.65, 2.35, 1.3)
+    arrow(ax, 6.0, 0.65, 5.82, 1.3, ORANGE)
+    arrow(ax, 2.35, 4.2, 4.0, 4.75)
+    arrow(ax, 7.9, 3.7, 6.0, 4.75, ORANGE)
+    ax.text(5.0, 4.45, "+", ha="center", va="center", fontsize=16, weight="bold")
+    ax.text(5.0, 1.0, "same x,\ntwo paths", fontsize=8, color=GREY, ha="center", va="center")
+    return fig
+
+
+@diagram
+def multi_lora():
+    """Lesson 06: a batch where every row has its own adapter: gather A and B per row, then
+    one batched matrix product for all rows."""
+    fig, ax = canvas(11, 5.2)
+    colors = {"A0": BLUE, "A1": ORANGE, "A2": GREEN, "A3": PINK}
+    rows = [1, 3, 1, 0]                           # the adapter index of each row
+    ax.text(0.1, 4.85, "batch: one adapter index per row", fontsize=10, weight="bold")
+    for i, k in enumerate(rows):
+        y = 4.05 - i * 0.7
+        box(ax, 0.2, y, 1.9, 0.5, f"row {i}: x{i}", GREY, fill=0.1, size=9)
+        box(ax, 2.3, y, 0.7, 0.5, f"{k}", list(colors.values())[k], fill=0.45, size=9,
+            weight="bold")
+    # The stack of adapters.
+    ax.text(4.0, 4.85, "stack of n adapters", fontsize=10, weight="bold")
+    for k, color in enumerate(colors.values()):
+        y = 4.05 - k * 0.7
+        box(ax, 4.0, y, 1.0, 0.5, f"A{k}\n(in×r)", color, fill=0.3, size=8)
+        box(ax, 5.1, y, 1.0, 0.5, f"B{k}\n(r×out)", color, fill=0.3, size=8)
+    ax.text(5.05, 1.05, "loras_a (n, in, r)\nloras_b (n, r, out)", ha="center", fontsize=8,
+            color="#555555")
+    # Gathered copies, one per row.
+    ax.text(7.0, 4.85, "gathered per row (index_select)", fontsize=10, weight="bold")
+    for i, k in enumerate(rows):
+        y = 4.05 - i * 0.7
+        color = list(colors.values())[k]
+        box(ax, 7.0, y, 0.9, 0.5, f"A{k}", color, fill=0.45, size=9)
+        box(ax, 8.0, y, 0.9, 0.5, f"B{k}", color, fill=0.45, size=9)
+        arrow(ax, 6.15, 4.3 - k * 0.7, 6.95, y + 0.25, color, lw=1)
+    ax.text(7.95, 1.05, "(batch, in, r) and (batch, r, out)", ha="center", fontsize=8,
+            color="#555555")
+    # The result.
+    box(ax, 9.25, 2.2, 1.65, 1.9, "torch.bmm\n\nx @ A @ B\nfor every row\nat once", BLUE,
+        fill=0.15, size=9, weight="bold")
+    arrow(ax, 8.95, 3.15, 9.22, 3.15)
+    ax.text(0.2, 0.35, "output = base layer(x) + bmm(bmm(x, A[index]), B[index])   "
+            "— one call for the whole batch instead of a loop over rows",
+            fontsize=9.5, color="#333333")
+    return fig
+
+
+@diagram
+def server():
+    """Lesson 07: a multi-adapter server: requests name their adapter, wait in one queue, and a
+    scheduler runs continuous batching with a different adapter on every row, streaming tokens
+    back to each client."""
+    fig, ax = canvas(12, 5.4)
+    requests = [("client 1", "adapter: entities", ORANGE), ("client 2", "adapter: none", GREY),
+                ("client 3", "adapter: rhymes", GREEN), ("client 4", "adapter: title", PINK)]
+    ax.text(0.15, 5.0, "HTTP clients", fontsize=10, weight="bold")
+    for i, (who, adapter, color) in enumerate(requests):
+        y = 4.05 - i * 1.0
+        box(ax, 0.15, y, 1.9, 0.7, f"{who}\n{adapter}", color, fill=0.3, size=8.5)
+        arrow(ax, 2.1, y + 0.5, 3.0, 2.6 + (1.5 - i) * 0.25, color, lw=1)
+        arrow(ax, 2.5, y + 0.2, 2.1, y + 0.2, BLUE, lw=1)          # its tokens come back
+    ax.plot([11.1, 11.1, 2.5, 2.5], [1.65, 0.45, 0.45, 4.25], color=BLUE, lw=1.3)
+    ax.text(6.8, 0.12, "tokens stream back to each client as they are generated "
+            "(POST / with stream, /generate_stream, /v1/completions)", ha="center", fontsize=8,
+            color="#555555")
+    # Queue.
+    ax.text(3.0, 5.0, "queue", fontsize=10, weight="bold")
+    box(ax, 3.0, 1.7, 1.3, 2.4, "", GREY, fill=0.08)
+    for j, (_, _, color) in enumerate(requests[:3]):
+        box(ax, 3.15, 3.35 - j * 0.7, 1.0, 0.5, "request", color, fill=0.35, size=8)
+    ax.text(3.65, 1.4, "full → 429", ha="center", fontsize=8, color="#555555")
+    arrow(ax, 4.35, 2.9, 5.0, 2.9)
+    # Scheduler.
+    ax.text(5.0, 5.0, "scheduler (one loop owns the model)", fontsize=10, weight="bold")
+    box(ax, 5.0, 0.9, 5.2, 3.9, "", BLUE, fill=0.06)
+    ax.text(7.6, 4.45, "continuous batching: between steps,\nnew requests join (prefill + merge)"
+            " and finished ones leave (filter)", ha="center", va="center", fontsize=8.5)
+    rows = [("row 0", "entities", ORANGE), ("row 1", "no adapter", GREY),
+            ("row 2", "rhymes", GREEN), ("row 3", "title", PINK)]
+    for i, (row, adapter, color) in enumerate(rows):
+        y = 3.35 - i * 0.58
+        box(ax, 5.2, y, 1.2, 0.45, row, GREY, fill=0.1, size=8)
+        box(ax, 6.55, y, 1.5, 0.45, f"W + A·B ({adapter})", color, fill=0.35, size=7.5)
+        box(ax, 8.2, y, 1.8, 0.45, "JSON guide (optional)" if i == 0 else "next token", BLUE,
+            fill=0.12, size=7.5)
+    ax.text(7.6, 1.0, "one decode step = one forward pass for all rows,\n"
+            "each row with its own LoRA (lesson 6)", ha="center", fontsize=8, color="#333333")
+    # Streams back.
+    box(ax, 10.35, 1.7, 1.5, 2.4, "token\nstreams\n(SSE)\nback to\neach\nclient", BLUE, fill=0.15,
+        size=8.5)
+    arrow(ax, 10.2, 2.9, 10.33, 2.9)
+    return fig
+
+
 def main(names):
     IMG.mkdir(exist_ok=True)
     for name in names or DIAGRAMS:

@@ -47,7 +47,9 @@ if "google.colab" in sys.modules:
     repo = "/content/course"
     if not os.path.isdir(repo):
         subprocess.run(["git", "clone", "--quiet", "--depth", "1", REPO_URL, repo], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", repo + "[quant]"], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
+    subprocess.run(pip + [repo + "[quant]"], check=True)
+    subprocess.run(pip + ["--no-deps", "lorax-client==0.6.3"], check=True)  # its pins clash
     sys.path.insert(0, repo)
     os.chdir(os.path.join(repo, "lessons"))'''
 

@@ -40,11 +40,14 @@ def test_outside_colab_the_cell_does_nothing(monkeypatch, tmp_path):
 
 def test_inside_colab_it_installs_the_course_and_nothing_colab_has(monkeypatch, tmp_path):
     calls = _run_cell(monkeypatch, tmp_path, in_colab=True)
-    # The folder exists already, so no clone; one pip install of the repository itself.
-    assert len(calls) == 1
-    pip = calls[0]
-    assert pip[1:4] == ["-m", "pip", "install"] and pip[-1] == f"{tmp_path}[quant]"
-    assert not [a for a in pip if any(a.startswith(n) for n in NEVER_REINSTALL)]
+    # The folder exists already, so no clone: the repository itself, then lorax-client alone
+    # (without its declared dependencies, which would downgrade transformers).
+    assert len(calls) == 2
+    course, client = calls
+    assert course[1:4] == ["-m", "pip", "install"] and course[-1] == f"{tmp_path}[quant]"
+    assert client[-2:] == ["--no-deps", "lorax-client==0.6.3"]
+    for pip in calls:
+        assert not [a for a in pip if any(a.startswith(n) for n in NEVER_REINSTALL)]
     assert pathlib.Path.cwd() == tmp_path / "lessons"
     assert sys.path[0] == str(tmp_path)
 

@@ -1,0 +1,148 @@
+"""Start the lesson-07 server from a terminal. (Lesson 07.)
+
+    python -m helpers.server --port 8080
+    python -m helpers.server --host 127.0.0.1 --port 8080 --model bundled \\
+        --adapters helpers/assets/adapters --max-batch-size 8 --max-input-tokens 128 \\
+        --max-total-tokens 256 --max-queue 64
+
+Then ``lorax.Client("http://127.0.0.1:8080").generate("Jack and Jill", max_new_tokens=20)``.
+The server listens on 127.0.0.1 unless told otherwise: it has no authentication, so think
+twice before ``--host 0.0.0.0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.server",
+        description="A LoRAX-compatible server: continuous batching, one LoRA adapter per "
+                    "request, JSON mode (lesson 07 of Efficiently Serving LLMs).")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                        "(default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="port (0: any free port; "
+                        "default 8080)")
+    parser.add_argument("--model", default=None, help="'bundled' (default, or $COURSE_MODEL), "
+                        "a hub id such as 'gpt2', or a local folder")
+    parser.add_argument("--adapters", default=None, help="folder of LoRA adapters, one "
+                        "sub-folder per adapter (default: the course's shipped adapters)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="requests generated together (default 8)")
+    parser.add_argument("--max-input-tokens", type=int, default=None,
+                        help="longest prompt in tokens (default: half of max-total-tokens)")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="prompt + new tokens of one request (default: the model's context)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a slot; more get 429 (default 64)")
+    parser.add_argument("--default-max-new-tokens", type=int, default=64,
+                        help="new tokens for a request that does not say (default 64)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA if any)")
+    parser.add_argument("--dtype", default=None, help="float32 (default), float16, bfloat16, auto")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--port-file", default=None,
+                        help="write the port actually used to this file once listening")
+    parser.add_argument("--watch-stdin", action="store_true",
+                        help="exit when standard input closes or the parent process dies (used "
+                             "by serve_in_background: the server ends with its notebook)")
+    return parser
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if os.name != "nt":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def _watch_parent(server) -> None:
+    """Stop the server when the process that started it goes away: its end of our stdin
+    closes (it stopped us, exited or was killed), or (POSIX) we get a new parent."""
+    stop = threading.Event()
+
+    def exit_soon():
+        if stop.is_set():
+            return
+        stop.set()
+        server.should_exit = True
+        timer = threading.Timer(15.0, lambda: os._exit(0))   # if a graceful stop hangs
+        timer.daemon = True
+        timer.start()
+
+    def read_stdin():
+        try:
+            while sys.stdin.buffer.read(1024):
+                pass
+        except (OSError, ValueError):
+            pass
+        exit_soon()
+
+    def poll_parent(parent: int):
+        while not stop.wait(2.0):
+            if os.getppid() != parent:    # the parent died and we were adopted
+                exit_soon()
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    if os.name == "posix":
+        threading.Thread(target=poll_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    import torch
+    import uvicorn
+
+    from ..lora import ADAPTERS_DIR
+    from ..models import load_model
+    from .app import create_app
+    from .engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    try:
+        engine = Engine(model, tokenizer,
+                        adapters_dir=args.adapters if args.adapters is not None else ADAPTERS_DIR,
+                        max_batch_size=args.max_batch_size,
+                        max_input_tokens=args.max_input_tokens,
+                        max_total_tokens=args.max_total_tokens, max_queue=args.max_queue,
+                        default_max_new_tokens=args.default_max_new_tokens,
+                        model_id=args.model or os.environ.get("COURSE_MODEL") or "bundled")
+    except ValueError as err:
+        parser.error(str(err))
+    app = create_app(engine)
+    sock = _listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    if args.watch_stdin:
+        _watch_parent(server)
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"helpers.server: serving {engine.model_id} on http://{args.host}:{port}", flush=True)
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

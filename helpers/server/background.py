@@ -1,0 +1,218 @@
+"""Start the server in the background from a notebook or a test, and stop it cleanly.
+(Lesson 07.)
+
+    from helpers.server import serve_in_background
+
+    server = serve_in_background(max_batch_size=8)     # waits until /health answers
+    client = lorax.Client(server.url)
+    ...
+    server.stop()
+
+    with serve_in_background() as url:                 # or for one block of code
+        lorax.Client(url).generate("Jack and Jill")
+
+The server runs in its own process (``python -m helpers.server``), so that its scheduler does
+not compete with the notebook for Python's interpreter lock, and timings seen from the notebook
+are what a real client would see. It never outlives the notebook: its standard input is a pipe
+from the notebook's kernel, and when the kernel ends (restart, crash, kill) the pipe closes and
+the server exits. Running the cell again stops the server that the cell started before
+(servers are named; the default name is "default"). Nothing needs to be freed by hand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: The servers this process started and has not stopped yet, by name.
+_RUNNING: dict[str, "BackgroundServer"] = {}
+_LOCK = threading.Lock()
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # the folder that holds helpers/
+# Our server is on this machine: never ask a proxy from the environment for it.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class BackgroundServer:
+    """A server process started by ``serve_in_background``. (Lesson 07.)
+
+    url:    ``http://host:port`` (what lorax.Client, the openai client or httpx take)
+    stop(): ends it (gracefully, then by force); safe to call twice
+    ``with server as url:`` stops it at the end of the block.
+    wait(): blocks until it answers /health (``serve_in_background`` does this unless told
+            ``wait=False``, e.g. to start several servers at once).
+    """
+
+    def __init__(self, name: str, process: subprocess.Popen, host: str, workdir: Path):
+        self.name = name
+        self.process = process
+        self.host = host
+        self.workdir = workdir
+        self.log_path = workdir / "server.log"
+        self.port: int | None = None
+        self.url: str | None = None
+
+    def _read_port(self) -> bool:
+        port_file = self.workdir / "port"
+        if self.port is None and port_file.exists():
+            self.port = int(port_file.read_text())
+            url_host = f"[{self.host}]" if ":" in self.host else self.host
+            self.url = f"http://{url_host}:{self.port}"
+        return self.port is not None
+
+    def wait(self, timeout: float = 120.0) -> "BackgroundServer":
+        """Wait until the server answers ``GET /health``; ``RuntimeError`` (with the server's
+        last lines) if it exits or does not answer within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and self.process.poll() is None:
+                if self._read_port() and self.healthy(timeout=1.0):
+                    return self
+                time.sleep(0.1)
+            reason = (f"it exited with code {self.process.returncode}"
+                      if self.process.poll() is not None
+                      else f"it did not answer /health within {timeout:g} s")
+            raise RuntimeError(f"the server did not start: {reason}. Its last lines:\n"
+                               f"{self.logs()}")
+        except BaseException:
+            self.stop(timeout=5)
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """True when the server answers ``GET /health`` with 200."""
+        if self.url is None and not self._read_port():
+            return False
+        try:
+            with _NO_PROXY.open(self.url + "/health", timeout=timeout) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def logs(self, lines: int = 40) -> str:
+        """The last ``lines`` lines the server printed (until it is stopped)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server: close its stdin and ask it to end, then kill it if it lingers."""
+        with _LOCK:
+            if _RUNNING.get(self.name) is self:
+                del _RUNNING[self.name]
+        process = self.process
+        if process.poll() is None:
+            try:
+                if process.stdin is not None:
+                    process.stdin.close()
+            except OSError:
+                pass
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        elif process.stdin is not None and not process.stdin.closed:
+            process.stdin.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)     # its port file and log
+
+    def __enter__(self) -> str:
+        if self.url is None or not self.healthy():
+            self.wait()
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        if self.process.poll() is not None:
+            state = f"stopped (exit code {self.process.returncode})"
+        else:
+            state = "running" if self.url is not None else "starting"
+        return f"BackgroundServer(name={self.name!r}, url={self.url!r}, pid={self.pid}, {state})"
+
+
+def serve_in_background(model: str | None = None, adapters: str | os.PathLike | None = None, *,
+                        host: str = "127.0.0.1", port: int | None = None,
+                        max_batch_size: int = 8, max_input_tokens: int | None = None,
+                        max_total_tokens: int | None = None, max_queue: int = 64,
+                        default_max_new_tokens: int | None = None, threads: int | None = None,
+                        device: str | None = None, dtype: str | None = None,
+                        env: dict | None = None, timeout: float = 120.0,
+                        name: str = "default", log_level: str = "warning",
+                        wait: bool = True) -> BackgroundServer:
+    """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
+    (Lesson 07.)
+
+    model, adapters, max_*: as the command's flags (``python -m helpers.server --help``).
+    port:    None picks a free port (the server binds port 0 and reports the one it got).
+    threads: torch CPU threads of the server process.
+    env:     extra environment variables for the server (e.g. ``{"HF_HUB_OFFLINE": "1"}``).
+    name:    a server started under a name replaces the one started before under that name
+             (so re-running a notebook cell does not leave the old server behind).
+    wait:    False returns at once; call ``.wait()`` before using ``.url``.
+    Raises ``RuntimeError`` with the server's last lines if it does not come up in ``timeout``
+    (and stops it).
+    """
+    with _LOCK:
+        previous = _RUNNING.pop(name, None)
+    if previous is not None:
+        previous.stop()
+
+    workdir = Path(tempfile.mkdtemp(prefix="helpers-server-"))
+    port_file = workdir / "port"
+    command = [sys.executable, "-m", "helpers.server", "--host", host,
+               "--port", str(port or 0), "--port-file", str(port_file), "--watch-stdin",
+               "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue),
+               "--log-level", log_level]
+    options = {"--model": model, "--adapters": adapters, "--max-input-tokens": max_input_tokens,
+               "--max-total-tokens": max_total_tokens, "--threads": threads,
+               "--default-max-new-tokens": default_max_new_tokens, "--device": device,
+               "--dtype": dtype}
+    for flag, value in options.items():
+        if value is not None:
+            command += [flag, str(value)]
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(_PACKAGE_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
+    child_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    child_env.update({k: str(v) for k, v in (env or {}).items()})
+
+    with open(workdir / "server.log", "wb") as log:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log,
+                                   stderr=subprocess.STDOUT, env=child_env, cwd=str(workdir))
+    server = BackgroundServer(name, process, host, workdir)
+    with _LOCK:
+        _RUNNING[name] = server
+    if wait:
+        server.wait(timeout)
+    return server
+
+
+def stop_all() -> None:
+    """Stop every server this process started (also run when the process exits)."""
+    with _LOCK:
+        servers = list(_RUNNING.values())
+    for server in servers:
+        server.stop()
+
+
+atexit.register(stop_all)

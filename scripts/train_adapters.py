@@ -1,0 +1,269 @@
+"""Train the shipped LoRA adapters of the bundled model with peft, one per task of the world.
+
+    python scripts/train_adapters.py                      # every task, about a minute each
+    python scripts/train_adapters.py --tasks entities     # just one
+
+The tasks are ``helpers.corpus.TASKS``. Every task reads one sentence of the world and answers
+in its own way, after the same prompt (``helpers.corpus.TASK_PROMPT``)::
+
+    Input: Tom the fox met Lily the owl at the river and found a red ball.
+    Output: <the answer> <|endoftext|>
+
+    entities  a JSON object of the characters, the place and the object the sentence names
+    rhymes    a two-line nursery-rhyme couplet about it
+    sad       a sad ending for the story
+    title     a title for the story
+
+Only the answer is learned (the prompt's tokens get label -100). Each adapter is LoRA of rank 8
+on every projection of the GPT-2 blocks (c_attn, c_proj, c_fc), saved with ``save_pretrained``
+(safetensors) in helpers/assets/adapters/<task>/ together with training_log.json (time, loss,
+held-out checks). Then helpers/assets/adapters/README.md is written from those logs.
+
+The entities adapter needs more: JSON is made of characters ({ } [ ] ") and word pieces
+("characters" without a space before it) that never occur in the corpus. The tokenizer has
+tokens for them, but the bundled model never saw those tokens, so their embeddings were never
+trained and all look alike to it. That adapter therefore also adapts the token embedding (wte)
+and the output layer (lm_head, tied to wte), with rank 32 there, and trains longer. (The JSON
+values are the sentence's own words, "Tom the fox", "The river", which it copies easily.)
+
+Dropout is off while training (the model is in eval mode): runs this short do not overfit.
+
+Seeded: on one machine with a fixed thread count, a rerun gives the same adapters.
+The held-out check generates greedily for ``--eval`` sentences that the training never saw and
+reports how many answers match exactly (and, for entities, how many parse as JSON).
+"""
+
+import argparse
+import json
+import pathlib
+import platform
+import random
+import shutil
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from helpers.corpus import TASK_PROMPT, TASKS, task_examples, task_prompt  # noqa: E402
+from helpers.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
+
+ADAPTERS = ROOT / "helpers" / "assets" / "adapters"
+BLOCK_MODULES = ["c_attn", "c_proj", "c_fc"]
+#: Per task: extra target modules with their rank, and training steps (batch 16).
+TASK_SETTINGS = {
+    "entities": {"extra_modules": {"wte": 32, "lm_head": 32}, "steps": 250},
+    "rhymes": {"extra_modules": {}, "steps": 100},
+    "sad": {"extra_modules": {}, "steps": 100},
+    "title": {"extra_modules": {}, "steps": 60},
+}
+#: The sentence every adapter answers in the README (and lessons 05-06 show side by side).
+DEMO_SENTENCE = "Tom the fox met Lily the owl at the river and found a red ball."
+TRAIN_SEED, EVAL_SEED = 100, 999
+
+
+def encode_examples(tokenizer, pairs):
+    """Token ids and labels per example: prompt ids + answer ids + EOS; labels -100 on the
+    prompt. The prompt is tokenized alone, exactly as it is when the adapter is used."""
+    rows = []
+    for sentence, answer in pairs:
+        prompt = tokenizer(task_prompt(sentence)).input_ids
+        target = tokenizer(" " + answer).input_ids + [tokenizer.eos_token_id]
+        rows.append((prompt + target, [-100] * len(prompt) + target))
+    return rows
+
+
+def collate(rows, pad_id):
+    """Right-pad a list of (ids, labels) into tensors; padding is masked and not learned."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row_ids, row_labels) in enumerate(rows):
+        ids[i, :len(row_ids)] = torch.tensor(row_ids)
+        labels[i, :len(row_labels)] = torch.tensor(row_labels)
+        mask[i, :len(row_ids)] = 1
+    return ids, labels, mask
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, sentences, max_new_tokens=90):
+    """Greedy answers for a batch of sentences (left-padded prompts), stopped at EOS."""
+    batch = tokenizer([task_prompt(s) for s in sentences], return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.eos_token_id)
+    new = out[:, batch.input_ids.shape[1]:]
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+def held_out_check(model, tokenizer, task, n, train_sentences):
+    """Greedy answers for ``n`` unseen sentences: exact-match rate, JSON parse rate."""
+    pairs = [p for p in task_examples(task, EVAL_SEED, 4 * n) if p[0] not in train_sentences][:n]
+    answers = greedy_answers(model, tokenizer, [s for s, _ in pairs])
+    exact = sum(a == want for a, (_, want) in zip(answers, pairs)) / len(pairs)
+    result = {"sentences": len(pairs), "exact_match": exact}
+    if task == "entities":
+        parsed = 0
+        for a in answers:
+            try:
+                json.loads(a)
+                parsed += 1
+            except json.JSONDecodeError:
+                pass
+        result["json_parses"] = parsed / len(pairs)
+    result["examples"] = [{"sentence": s, "answer": a} for (s, _), a in zip(pairs[:3], answers)]
+    return result
+
+
+def train_one(task, args, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    settings = TASK_SETTINGS[task]
+    steps = args.steps or settings["steps"]
+    extra = settings["extra_modules"]  # module -> rank; alpha = 2 × rank everywhere
+    torch.manual_seed(args.seed)
+    model, _ = load_model(BUNDLED_MODEL_DIR, device="cpu")
+    config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                        target_modules=BLOCK_MODULES + list(extra), fan_in_fan_out=True,
+                        rank_pattern=dict(extra), alpha_pattern={m: 2 * r for m, r in extra.items()},
+                        task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    pairs = task_examples(task, TRAIN_SEED, steps * args.batch)
+    rows = encode_examples(tokenizer, pairs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # linear decay to a tenth
+        opt, lambda step: 1 - 0.9 * step / steps)
+    log, start, cpu_start = [], time.perf_counter(), time.process_time()
+    model.eval()  # dropout off (LoRA's weights still get their gradients)
+    for step in range(steps):
+        ids, labels, mask = collate(rows[step * args.batch:(step + 1) * args.batch],
+                                    tokenizer.eos_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        log.append(round(loss.item(), 4))
+        if step % 25 == 0 or step == steps - 1:
+            print(f"  {task:9s} step {step:4d}  loss {loss.item():.3f}  "
+                  f"{time.perf_counter() - start:6.1f} s", flush=True)
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start  # all threads; less sensitive to other load
+
+    folder = ADAPTERS / task
+    if folder.exists():
+        shutil.rmtree(folder)
+    # save_embedding_layers=False: only LoRA's A and B, not a copy of the adapted embedding
+    model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
+    (folder / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
+
+    check = held_out_check(model, tokenizer, task, args.eval, {s for s, _ in pairs})
+    demo = greedy_answers(model, tokenizer, [DEMO_SENTENCE])[0]
+    info = {
+        "task": task, "prompt_format": TASK_PROMPT, "rank": args.rank,
+        "lora_alpha": 2 * args.rank, "target_modules": BLOCK_MODULES + list(extra),
+        "rank_pattern": extra,
+        "trainable_parameters": trainable,
+        "adapter_bytes": (folder / "adapter_model.safetensors").stat().st_size,
+        "steps": steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu_seconds, 1),
+        "final_loss": round(sum(log[-10:]) / len(log[-10:]), 4),  # mean of the last 10 steps
+        "loss_every_step": log, "held_out": check, "demo": {"sentence": DEMO_SENTENCE,
+                                                            "answer": demo},
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }
+    (folder / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"{task}: {seconds:.0f} s, final loss {info['final_loss']:.3f}, held-out exact "
+          f"{check['exact_match']:.0%}" + (f", JSON parses {check['json_parses']:.0%}"
+                                           if "json_parses" in check else ""))
+    print(f"  demo: {demo!r}")
+    return info
+
+
+def write_readme(base_demo):
+    """helpers/assets/adapters/README.md from every adapter's training_log.json."""
+    infos = [json.loads(p.read_text()) for p in sorted(ADAPTERS.glob("*/training_log.json"))]
+    lines = [
+        "# The shipped LoRA adapters", "",
+        "LoRA adapters of the bundled model (`helpers/assets/model`), trained with peft by "
+        "`scripts/train_adapters.py` (seeded) on the tasks in `helpers.corpus.TASKS`. Lesson 05 "
+        "shows them side by side, lesson 06 mixes them in one batch "
+        "(`helpers.load_adapters`), and the server of lesson 07 serves them by name.", "",
+        "Every adapter answers the same prompt (`helpers.corpus.task_prompt(sentence)`):", "",
+        "```", TASK_PROMPT.format(sentence=DEMO_SENTENCE), "```", "",
+        "and writes its answer after `Output:`, ending with `<|endoftext|>`. Each folder holds "
+        "what peft's `save_pretrained` writes (`adapter_config.json`, "
+        "`adapter_model.safetensors`) and `training_log.json` (loss at every step, held-out "
+        "checks, machine).", "",
+        "| adapter | task | rank (alpha) | target modules | size | training | final loss | "
+        "held-out exact | JSON parses |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    def modules(info):
+        extra = info.get("rank_pattern", {})
+        return ", ".join(m + (f" (rank {extra[m]})" if m in extra else "")
+                         for m in info["target_modules"])
+
+    for i in infos:
+        h = i["held_out"]
+        json_rate = f"{h['json_parses']:.0%}" if "json_parses" in h else "–"
+        lines.append(
+            f"| `{i['task']}` | {TASKS[i['task']].__doc__.split(' and ', 1)[1].rstrip('.')} | "
+            f"{i['rank']} ({i['lora_alpha']}) | {modules(i)} | "
+            f"{i['adapter_bytes'] / 1024:.0f} KiB | {i['train_seconds']:.0f} s, "
+            f"{i['steps']} steps × {i['batch']} | {i['final_loss']:.3f} | "
+            f"{h['exact_match']:.0%} of {h['sentences']} | {json_rate} |")
+    machine = infos[0]["machine"] if infos else ""
+    lines += [
+        "", "The entities adapter also adapts the token embedding (`wte`) and the output layer "
+        "(`lm_head`, tied to it): JSON is written with characters and word pieces (`{`, `\"`, "
+        "`characters` without a space before it) that never occur in the bundled model's training "
+        "text, so their embeddings were never trained and look alike to the model. The other "
+        "adapters answer in words the model already knows."]
+    lines += [
+        "", f"Training times were measured on {machine} (CPU); final loss is the mean "
+        "cross-entropy (nats per answer token) of the last 10 training steps. Held-out: "
+        "greedy answers for sentences the training never saw, compared with the task's "
+        "answer.", "",
+        "## One prompt, every adapter", "",
+        f"Input: `{DEMO_SENTENCE}` (greedy decoding)", "",
+        "| adapter | answer |", "|---|---|",
+        f"| none (base model) | `{base_demo}` |".replace("\n", "⏎"),
+    ]
+    for i in infos:
+        lines.append(f"| `{i['task']}` | `{i['demo']['answer']}` |".replace("\n", "⏎"))
+    lines += ["", "(⏎ marks a line break in the answer.)", "",
+              "## Reproduce", "", "```bash", "python scripts/train_adapters.py", "```", ""]
+    (ADAPTERS / "README.md").write_text("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=None, help="override every task's steps")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--eval", type=int, default=20, help="held-out sentences to check")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    model, tokenizer = load_model(BUNDLED_MODEL_DIR, device="cpu")
+    base_demo = greedy_answers(model, tokenizer, [DEMO_SENTENCE], max_new_tokens=30)[0]
+    del model
+    results = [train_one(task, args, tokenizer) for task in args.tasks]
+    write_readme(base_demo)
+    print("\n".join(f"{r['task']:9s} {r['train_seconds']:6.1f} s  loss {r['final_loss']:.3f}"
+                    for r in results))
+
+
+if __name__ == "__main__":
+    main()

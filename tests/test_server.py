@@ -1,0 +1,753 @@
+"""The lesson-07 server, driven over loopback by the real clients (lorax-client, openai, httpx).
+
+Two servers run for this module, each in its own process on a free port of 127.0.0.1:
+``server`` (8 slots, a long queue) for most tests, and ``small_server`` (2 slots, a queue of 1,
+its own adapters folder with some traps in it) for the queue, disconnect and adapter-safety
+tests. Answers are compared with ``generate_sequential`` on a copy of the model in this process
+(with the same adapter set for the row, when there is one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from enum import Enum
+from typing import Annotated
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("outlines_core")
+httpx = pytest.importorskip("httpx")
+lorax = pytest.importorskip("lorax")
+openai = pytest.importorskip("openai")
+
+from pydantic import BaseModel, Field  # noqa: E402
+
+from helpers import generate_sequential, load_model  # noqa: E402
+from helpers.corpus import task_prompt  # noqa: E402
+from helpers.lora import ADAPTERS_DIR, load_adapters  # noqa: E402
+from helpers.server import serve_in_background  # noqa: E402
+
+from .conftest import COURSE_PROMPTS  # noqa: E402
+
+SENTENCE = "Tom the fox met Lily the owl at the river and found a red ball."
+ADAPTERS = ["entities", "rhymes", "sad", "title"]
+HAVE_ADAPTERS = all((ADAPTERS_DIR / name / "adapter_model.safetensors").is_file()
+                    for name in ADAPTERS)
+# lorax-client 0.6.3 calls pydantic's deprecated .dict() on every request
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The `dict` method is deprecated:DeprecationWarning")
+
+
+def need_adapters():
+    if not HAVE_ADAPTERS:
+        pytest.skip(f"the shipped adapters {ADAPTERS} are missing from {ADAPTERS_DIR}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One thread here and in the servers: the model is tiny, and the machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def traps(tmp_path_factory):
+    """An adapters folder with one good adapter and three that must be refused."""
+    need_adapters()
+    root = tmp_path_factory.mktemp("adapters")
+    folder = root / "adapters"
+    folder.mkdir()
+    shutil.copytree(ADAPTERS_DIR / "entities", folder / "entities")
+    pickled = folder / "pickled"                    # weights only as a pickle
+    pickled.mkdir()
+    shutil.copy(ADAPTERS_DIR / "entities" / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded, ever")
+    outside = root / "outside"                      # a good adapter outside the folder ...
+    shutil.copytree(ADAPTERS_DIR / "title", outside)
+    try:                                            # ... reached through a link
+        (folder / "escape").symlink_to(outside, target_is_directory=True)
+    except OSError:
+        pass
+    return folder
+
+
+@pytest.fixture(scope="module")
+def servers(traps):
+    """Both servers, started at once (each takes seconds to import torch and load the model).
+    On the CPU, as the reference, so that answers can be compared exactly."""
+    started = {
+        "main": serve_in_background(name="test-server", threads=1, adapters=ADAPTERS_DIR,
+                                    device="cpu", max_batch_size=8, max_queue=64,
+                                    env={"HF_HUB_OFFLINE": "1"}, wait=False),
+        "small": serve_in_background(name="test-small-server", threads=1, adapters=traps,
+                                     device="cpu", max_batch_size=2, max_queue=1,
+                                     env={"HF_HUB_OFFLINE": "1"}, wait=False),
+    }
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers, reference):
+    # (the reference model loads while the servers start)
+    return servers["main"].wait().url
+
+
+@pytest.fixture(scope="module")
+def small_server(servers):
+    return servers["small"].wait().url
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``expected(prompt, max_new_tokens, adapter=None)``: what one request alone gives."""
+    need_adapters()
+    model, tokenizer = load_model(device="cpu")
+    lora = load_adapters(model, {name: ADAPTERS_DIR / name for name in ADAPTERS})
+    cache = {}
+
+    def expected(prompt, max_new_tokens, adapter=None, stop_at_eos=True):
+        key = (prompt, max_new_tokens, adapter, stop_at_eos)
+        if key not in cache:
+            with lora.rows([adapter]):
+                cache[key] = generate_sequential(model, tokenizer, [(prompt, max_new_tokens)],
+                                                 stop_at_eos=stop_at_eos)[0]
+        return cache[key]
+
+    expected.tokenizer = tokenizer
+    return expected
+
+
+def healthy(url) -> bool:
+    return httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def metrics(url) -> dict:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
+            for line in text.splitlines() if line}
+
+
+# --- lorax-client ------------------------------------------------------------------------------
+
+def test_health_and_info(server):
+    assert healthy(server)
+    info = httpx.get(server + "/info").json()
+    assert info["max_batch_size"] == 8 and info["max_total_tokens"] == 256
+    assert set(ADAPTERS) <= set(info["adapters_available"])
+
+
+def test_generate_equals_sequential(server, reference):
+    client = lorax.Client(server)
+    for prompt in COURSE_PROMPTS:
+        answer = client.generate(prompt, max_new_tokens=12)
+        assert answer.generated_text == reference(prompt, 12)
+        details = answer.details
+        assert details.generated_tokens == len(details.tokens)
+        assert details.prompt_tokens == len(reference.tokenizer(prompt)["input_ids"])
+        assert details.finish_reason.value in ("length", "eos_token")
+        assert details.seed is None
+        assert "".join(t.text for t in details.tokens if not t.special) == answer.generated_text
+
+
+def test_generate_stream(server, reference):
+    events = list(lorax.Client(server).generate_stream("Jack and Jill", max_new_tokens=15))
+    text = "".join(e.token.text for e in events if not e.token.special)
+    assert text == events[-1].generated_text == reference("Jack and Jill", 15)
+    assert all(e.generated_text is None and e.details is None for e in events[:-1])
+    last = events[-1].details
+    assert last.generated_tokens == len(events) and last.prompt_tokens == 3
+
+
+def test_a_request_that_ends_at_eos_says_so(server, reference):
+    # "The rain in Spain falls" ends its sentence and then the model writes EOS.
+    events = list(lorax.Client(server).generate_stream("The rain in Spain falls",
+                                                       max_new_tokens=30))
+    assert events[-1].details.finish_reason.value == "eos_token"
+    assert events[-1].token.special and events[-1].token.id == reference.tokenizer.eos_token_id
+    assert events[-1].generated_text == reference("The rain in Spain falls", 30)
+
+
+def test_async_client_three_concurrent_requests(server, reference):
+    async def main():
+        client = lorax.AsyncClient(server)
+
+        async def one(prompt, n):
+            text = ""
+            async for event in client.generate_stream(prompt, max_new_tokens=n):
+                if not event.token.special:
+                    text += event.token.text
+            return text
+
+        plain = await client.generate("Humpty Dumpty sat", max_new_tokens=8)
+        streamed = await asyncio.gather(one("Jack and Jill", 40), one("What comes up must", 10),
+                                        one("Humpty Dumpty sat", 10))
+        return plain, streamed
+
+    plain, streamed = asyncio.run(main())
+    assert plain.generated_text == reference("Humpty Dumpty sat", 8)
+    assert streamed == [reference("Jack and Jill", 40), reference("What comes up must", 10),
+                        reference("Humpty Dumpty sat", 10)]
+
+
+def test_adapters_equal_each_row_alone(server, reference):
+    client = lorax.Client(server)
+    prompt = task_prompt(SENTENCE)
+    answers = {name: client.generate(prompt, adapter_id=name, max_new_tokens=20).generated_text
+               for name in [None] + ADAPTERS}
+    for name, text in answers.items():
+        assert text == reference(prompt, 20, name), name
+    assert all(answers[name] != answers[None] for name in ADAPTERS)   # they do change it
+    assert set(ADAPTERS) <= set(httpx.get(server + "/info").json()["adapters_loaded"])
+
+
+def test_stop_sequences_and_return_full_text(server, reference):
+    client = lorax.Client(server)
+    full = reference("Jack and Jill", 20)             # " went up the hill to fetch a pail ..."
+    answer = client.generate("Jack and Jill", max_new_tokens=20, stop_sequences=[" hill"])
+    assert answer.details.finish_reason.value == "stop_sequence"
+    assert answer.generated_text == full[:full.index(" hill") + len(" hill")]
+    answer = client.generate("Jack and Jill", max_new_tokens=5, return_full_text=True)
+    assert answer.generated_text == "Jack and Jill" + reference("Jack and Jill", 5)
+
+
+def test_seeded_sampling_is_reproducible(server):
+    client = lorax.Client(server)
+
+    def draw(seed, **extra):
+        return client.generate("Once upon a time", max_new_tokens=20, do_sample=True,
+                               temperature=1.5, seed=seed, **extra)
+
+    first, again, other = draw(7), draw(7), draw(8)
+    assert first.generated_text == again.generated_text
+    assert first.generated_text != other.generated_text
+    assert first.details.seed == 7
+    assert isinstance(draw(None).details.seed, int)           # a seed is drawn and reported
+    narrow = draw(3, top_k=1)                                  # top_k=1 is greedy
+    assert narrow.generated_text == client.generate("Once upon a time",
+                                                    max_new_tokens=20).generated_text
+    assert draw(5, top_p=0.5).generated_text == draw(5, top_p=0.5).generated_text
+
+
+def test_alternatives_and_logprobs(server):
+    answer = lorax.Client(server).generate("Jack and Jill", max_new_tokens=3,
+                                           return_k_alternatives=3)
+    for token in answer.details.tokens:
+        assert token.logprob <= 0
+        assert len(token.alternative_tokens) == 3
+        assert token.alternative_tokens[0].id == token.id     # greedy: the top alternative
+
+
+# --- OpenAI ------------------------------------------------------------------------------------
+
+def test_openai_completions(server, reference):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="not-needed", max_retries=0)
+    prompt = task_prompt(SENTENCE)
+    reply = client.completions.create(model="bundled", prompt="Jack and Jill", max_tokens=12,
+                                      temperature=0)
+    assert reply.choices[0].text == reference("Jack and Jill", 12)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == 3
+    # The adapter goes in `model`; several prompts give several choices.
+    reply = client.completions.create(model="title", prompt=[prompt, "Jack and Jill"],
+                                      max_tokens=10)
+    assert [c.text for c in reply.choices] == [reference(prompt, 10, "title"),
+                                               reference("Jack and Jill", 10, "title")]
+    # Streaming, with a stop sequence that OpenAI leaves out of the text.
+    full = reference("Jack and Jill", 20)
+    chunks = list(client.completions.create(model="bundled", prompt="Jack and Jill",
+                                            max_tokens=20, stop=[" pail"], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:full.index(" pail")]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-adapter", prompt="Jack", max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="best_of"):
+        client.completions.create(model="bundled", prompt="Jack", max_tokens=2, best_of=3)
+
+
+# --- JSON mode ---------------------------------------------------------------------------------
+
+class Colour(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=20)
+
+
+class Owner(BaseModel):                     # nested objects
+    pet: Pet
+    town: str = Field(max_length=10)
+
+
+class Shopping(BaseModel):                  # arrays
+    items: list[str] = Field(max_length=3)
+    count: int
+
+
+class Ball(BaseModel):                      # enums
+    colour: Colour
+    size: int = Field(ge=1, le=3)
+
+
+class Score(BaseModel):                     # integers
+    points: int
+    rank: int = Field(ge=1, le=10)
+
+
+class Title(BaseModel):                     # strings with a max length
+    title: str = Field(max_length=12)
+    subtitle: str = Field(max_length=6)
+
+
+class Entities(BaseModel):                  # what the entities adapter was trained to write
+    characters: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
+    animals: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
+    place: str = Field(max_length=15)
+    object: str = Field(max_length=20)
+
+
+@pytest.mark.parametrize("model", [Owner, Shopping, Ball, Score, Title])
+def test_json_mode_follows_the_schema(server, model):
+    answer = lorax.Client(server).generate(
+        task_prompt(SENTENCE), max_new_tokens=80,
+        response_format={"type": "json_object", "schema": model.model_json_schema()})
+    model.model_validate(json.loads(answer.generated_text))
+
+
+def test_json_mode_with_the_entities_adapter(server):
+    schema = Entities.model_json_schema()
+    answer = lorax.Client(server).generate(task_prompt(SENTENCE), adapter_id="entities",
+                                           max_new_tokens=100,
+                                           response_format={"type": "json_object",
+                                                            "schema": schema})
+    Entities.model_validate_json(answer.generated_text)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="not-needed", max_retries=0)
+    reply = client.completions.create(
+        model="entities", prompt=task_prompt(SENTENCE), max_tokens=100,
+        extra_body={"response_format": {"type": "json_object", "schema": schema}})
+    Entities.model_validate_json(reply.choices[0].text)
+
+
+# --- many clients at once ------------------------------------------------------------------------
+
+def test_32_concurrent_streams_with_mixed_adapters(server, reference):
+    prompts = COURSE_PROMPTS + [task_prompt(SENTENCE)]
+    adapters = [None] + ADAPTERS
+    jobs = [(prompts[i % len(prompts)], 6 + i % 11, adapters[i % len(adapters)])
+            for i in range(32)]
+
+    async def main():
+        client = lorax.AsyncClient(server)
+
+        async def one(prompt, n, adapter):
+            events = [e async for e in client.generate_stream(prompt, max_new_tokens=n,
+                                                              adapter_id=adapter)]
+            assert "".join(e.token.text for e in events if not e.token.special) \
+                == events[-1].generated_text
+            return events[-1].generated_text
+
+        return await asyncio.gather(*(one(*job) for job in jobs))
+
+    before = metrics(server)
+    answers = asyncio.run(main())
+    assert answers == [reference(*job) for job in jobs]
+    after = metrics(server)
+    assert after["rows_max"] == 8                      # the batch was full ...
+    assert after["steps_decode"] - before["steps_decode"] < sum(n for _, n, _ in jobs) / 3
+    assert after["running"] == 0 and after["waiting"] == 0
+
+
+def test_a_client_that_leaves_frees_its_slot(small_server, reference):
+    """Two slots: two long streams run, a third request waits; the first one's client leaves;
+    the waiting request gets its slot, and the other long one is undisturbed."""
+    prompt_b, prompt_c = "What comes up must", "Humpty Dumpty sat"
+
+    async def stream_text(client, prompt, n, started=None, ignore_eos=False):
+        body = {"inputs": prompt,
+                "parameters": {"max_new_tokens": n, "ignore_eos_token": ignore_eos}}
+        async with client.stream("POST", small_server + "/generate_stream", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if started is not None:
+                        started.set()
+        return event["generated_text"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            long_body = {"inputs": "Jack and Jill",
+                         "parameters": {"max_new_tokens": 250, "ignore_eos_token": True}}
+            async with client.stream("POST", small_server + "/generate_stream",
+                                     json=long_body) as long_reply:
+                lines = long_reply.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break                            # the long request is running
+                b_started = asyncio.Event()
+                b = asyncio.create_task(stream_text(client, prompt_b, 150, b_started, True))
+                await asyncio.wait_for(b_started.wait(), 30)
+                c = asyncio.create_task(stream_text(client, prompt_c, 8))
+                for _ in range(100):                     # c waits: both slots are taken
+                    if metrics(small_server)["waiting"] == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert metrics(small_server)["running"] == 2
+                assert not c.done()
+            # Leaving the block closed the long stream's connection.
+            return await asyncio.wait_for(asyncio.gather(b, c), 60)
+
+    before = metrics(small_server)
+    text_b, text_c = asyncio.run(main())
+    assert text_b == reference(prompt_b, 150, stop_at_eos=False)
+    assert text_c == reference(prompt_c, 8)
+    after = metrics(small_server)
+    assert after["cancelled"] == before.get("cancelled", 0) + 1
+    assert after["running"] == 0 and after["waiting"] == 0
+    assert healthy(small_server)
+
+
+def test_a_full_queue_answers_429(small_server):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"inputs": "Jack and Jill",
+                    "parameters": {"max_new_tokens": 250, "ignore_eos_token": True}}
+
+            async def hold():
+                async with client.stream("POST", small_server + "/generate_stream",
+                                         json=body) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data:"):
+                            await asyncio.sleep(30)     # keep the slot until cancelled
+
+            async def until(running, waiting):
+                for _ in range(300):
+                    m = metrics(small_server)
+                    if m["running"] == running and m["waiting"] == waiting:
+                        return
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"never saw {running} running, {waiting} waiting: {m}")
+
+            holders = []
+            for running in (1, 2):                      # one at a time: the queue holds one
+                holders.append(asyncio.create_task(hold()))
+                await until(running, 0)                 # both slots taken
+            waiter = asyncio.create_task(client.post(small_server + "/generate", json=body))
+            await until(2, 1)                           # and the queue (of 1) full
+            refused = await client.post(small_server + "/generate", json=body)
+            try:
+                await lorax.AsyncClient(small_server).generate("Jack", max_new_tokens=2)
+                typed = None
+            except lorax.errors.OverloadedError as err:
+                typed = err
+            for task in holders + [waiter]:
+                task.cancel()
+            await asyncio.gather(*holders, waiter, return_exceptions=True)
+            return refused, typed
+
+    refused, typed = asyncio.run(main())
+    assert refused.status_code == 429
+    assert refused.json()["error_type"] == "overloaded"
+    assert typed is not None
+    for _ in range(100):                                 # the cancelled requests leave
+        if metrics(small_server)["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert healthy(small_server)
+    assert lorax.Client(small_server).generate("Jack and Jill", max_new_tokens=3).generated_text
+
+
+# --- bad requests --------------------------------------------------------------------------------
+
+def _lorax(prompt="Jack and Jill", **parameters):
+    return {"inputs": prompt, "parameters": {"max_new_tokens": 5, **parameters}}
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+BAD_REQUESTS = [
+    # (id, route, body (dict, or bytes sent as they are), status, words the error must hold)
+    ("not-json", "/generate", b'{"inputs": "Jack', 400, "not valid JSON"),
+    ("empty-body", "/generate", b"", 400, "empty"),
+    ("not-an-object", "/generate", [1, 2], 422, "object"),
+    ("no-inputs", "/generate", {"parameters": {}}, 422, "inputs"),
+    ("inputs-not-text", "/generate", {"inputs": 12}, 422, "inputs"),
+    ("empty-inputs", "/generate", {"inputs": ""}, 422, "inputs"),
+    ("max-new-tokens-as-text", "/generate", _lorax(max_new_tokens="10"), 422, "max_new_tokens"),
+    ("max-new-tokens-zero", "/generate", _lorax(max_new_tokens=0), 422, "max_new_tokens"),
+    ("max-new-tokens-over-cap", "/generate", _lorax(max_new_tokens=400), 422, "max_new_tokens"),
+    ("input-too-long", "/generate", _lorax("Jack and Jill " * 60), 422, "at most 128"),
+    ("bool-as-int", "/", _lorax(do_sample=1), 422, "do_sample"),
+    ("best-of", "/", _lorax(best_of=2, do_sample=True), 422, "best_of"),
+    ("watermark", "/generate", _lorax(watermark=True), 422, "watermark"),
+    ("merged-adapters", "/generate",
+     _lorax(merged_adapters={"ids": ["entities", "title"], "weights": [0.5, 0.5]}), 422,
+     "merged_adapters"),
+    ("typical-p", "/generate", _lorax(typical_p=0.5), 422, "typical_p"),
+    ("decoder-input-details", "/generate", _lorax(decoder_input_details=True), 422,
+     "decoder_input_details"),
+    ("unknown-parameter", "/generate", _lorax(frobnicate=3), 422, "frobnicate"),
+    ("temperature-negative", "/generate", _lorax(temperature=-1.0), 422, "temperature"),
+    ("top-p-over-one", "/generate", _lorax(top_p=1.5), 422, "top_p"),
+    ("too-many-stops", "/generate", _lorax(stop=["a", "b", "c", "d", "e"]), 422, "stop"),
+    ("unknown-adapter", "/generate", _lorax(adapter_id="nope"), 404, "nope"),
+    ("adapter-path", "/generate", _lorax(adapter_id="../model", adapter_source="local"), 422,
+     "../model"),
+    ("adapter-absolute-path", "/generate", _lorax(adapter_id="/etc", adapter_source="local"),
+     422, "/etc"),
+    ("adapter-source-s3", "/generate", _lorax(adapter_id="x", adapter_source="s3"), 422, "s3"),
+    ("hub-offline", "/generate", _lorax(adapter_id="someone/some-adapter", adapter_source="hub"),
+     424, "offline"),
+    ("schema-invalid", "/generate",
+     _lorax(response_format={"type": "json_object", "schema": {"type": "nonsense"}}), 422,
+     "schema"),
+    ("schema-not-object", "/generate",
+     _lorax(response_format={"type": "json_object", "schema": [1]}), 422, "schema"),
+    ("format-unknown", "/generate", _lorax(response_format={"type": "xml"}), 422,
+     "response_format"),
+    ("json-too-short", "/generate",
+     _lorax(max_new_tokens=3, response_format={"type": "json_object", "schema": SCHEMA}), 422,
+     "shortest"),
+    ("openai-n", "/v1/completions", {"model": "bundled", "prompt": "Jack", "n": 2}, 422, "`n`"),
+    ("openai-no-prompt", "/v1/completions", {"model": "bundled"}, 422, "prompt"),
+    ("openai-logit-bias", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "logit_bias": {"5": 1}}, 422, "logit_bias"),
+    ("openai-penalty", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "presence_penalty": 0.5}, 422, "presence_penalty"),
+    ("no-such-route", "/nowhere", {}, 404, "/nowhere"),
+    ("body-too-large", "/generate", {"inputs": "x" * (1 << 20)}, 413, "bytes"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, words",
+                         [case[1:] for case in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests_get_the_right_status(server, route, body, status, words):
+    if isinstance(body, bytes):
+        reply = httpx.post(server + route, content=body,
+                           headers={"Content-Type": "application/json"}, timeout=30)
+    else:
+        reply = httpx.post(server + route, json=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    error = reply.json()
+    assert set(error) == {"error", "error_type"}
+    assert error["error_type"] == ("validation" if status < 424 else "generation")
+    message = error["error"]["message"] if route.startswith("/v1/") else error["error"]
+    assert words in message
+    assert healthy(server)
+
+
+def test_wrong_method_and_stream_errors_keep_lorax_shape(server):
+    reply = httpx.get(server + "/generate")
+    assert reply.status_code == 405 and reply.json()["error_type"] == "validation"
+    with pytest.raises(lorax.errors.ValidationError, match="max_new_tokens"):
+        list(lorax.Client(server).generate_stream("Jack", max_new_tokens=1000))
+    with pytest.raises(lorax.errors.ValidationError, match="best_of"):
+        lorax.Client(server).generate("Jack", max_new_tokens=2, best_of=2, do_sample=True)
+
+
+def test_adapter_safety(small_server):
+    """Names only, inside the adapters folder, safetensors only."""
+    cases = {"pickled": (422, "safetensors"),     # weights only as adapter_model.bin
+             "escape": (422, "outside"),          # a link to a folder outside
+             "title": (404, "title")}             # shipped, but not in this server's folder
+    for name, (status, words) in cases.items():
+        reply = httpx.post(small_server + "/generate", json=_lorax(adapter_id=name), timeout=30)
+        if name == "escape" and reply.status_code == 404:
+            continue                              # this system could not make the link
+        assert reply.status_code == status, (name, reply.text)
+        assert words in reply.json()["error"]
+    reply = httpx.post(small_server + "/generate", json=_lorax(adapter_id="entities"), timeout=30)
+    assert reply.status_code == 200
+    assert httpx.get(small_server + "/info").json()["adapters_available"] == ["entities"]
+
+
+
+# --- the process around it -----------------------------------------------------------------------
+
+def test_the_server_ends_when_its_stdin_closes(servers, small_server):
+    """What happens when the notebook's kernel dies (restart, crash, kill -9): the pipe to the
+    server's stdin closes, and the server exits on its own."""
+    process = servers["small"].process
+    process.stdin.close()
+    process.wait(30)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(small_server + "/health", timeout=2)
+
+
+def test_starting_again_under_a_name_replaces_the_old_server(servers, server):
+    """Re-running a notebook cell: the server started before under that name is stopped."""
+    from helpers.server.background import _RUNNING
+
+    old = servers["main"]
+    assert _RUNNING["test-server"] is old and old.running
+    with pytest.raises(RuntimeError, match="did not start"):   # a bad flag: exits at once
+        serve_in_background(name="test-server", log_level="nonsense", timeout=60)
+    assert not old.running
+    assert "test-server" not in _RUNNING
+
+
+# --- pieces, without a server --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from helpers import load_tokenizer
+
+    return load_tokenizer()
+
+
+def test_token_bytes_are_what_the_tokenizer_writes(tokenizer):
+    from helpers.server.json_mode import token_bytes
+
+    table = token_bytes(tokenizer)
+    assert tokenizer.eos_token_id not in table
+    checked = 0
+    for token_id, data in table.items():
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:          # a piece of a multi-byte character
+            continue
+        assert tokenizer.decode([token_id]) == text, token_id
+        checked += 1
+    assert checked > 0.5 * len(table)
+
+
+def test_json_mode_closes_within_the_budget(tokenizer):
+    """Even a model that always picks the token leading furthest from the end of the JSON
+    gets a complete answer within its token budget."""
+    from helpers.server.json_mode import JsonMode
+
+    json_mode = JsonMode(tokenizer)
+    compiled = json_mode.index_for(Score.model_json_schema())
+    eos = tokenizer.eos_token_id
+    for budget in (24, 40):
+        guide = json_mode.guide(compiled)
+        ids = []
+        for used in range(budget):
+            allowed = json_mode.allowed(compiled, guide, budget - used - 1)
+            tokens, after = compiled.moves[guide.get_state()]
+            far = dict(zip(tokens.tolist(), after.tolist()))
+            worst = max((t for t in allowed if t != eos), key=far.get, default=eos)
+            if worst == eos:
+                break
+            guide.advance(worst, return_tokens=False)
+            ids.append(worst)
+        assert guide.is_finished()
+        Score.model_validate_json(tokenizer.decode(ids))
+
+
+def test_bounded_integers_become_enums():
+    from helpers.server.json_mode import bounded_integers_as_enums
+
+    schema = Ball.model_json_schema()
+    converted = bounded_integers_as_enums(schema)
+    assert converted["properties"]["size"]["enum"] == [1, 2, 3]
+    assert "minimum" not in converted["properties"]["size"]
+    assert schema["properties"]["size"]["minimum"] == 1           # the original is untouched
+    wide = {"type": "integer", "minimum": 0, "maximum": 10**6}
+    assert bounded_integers_as_enums(wide) == wide                # too many values: left alone
+
+
+def test_the_bodies_lorax_client_sends_are_understood():
+    from lorax.types import Parameters, Request
+
+    from helpers.server.protocol import parse_completion, parse_lorax
+
+    parameters = Parameters(adapter_id="entities", do_sample=True, max_new_tokens=7, seed=3,
+                            stop=["."], temperature=0.5, top_k=5, top_p=0.9, details=True,
+                            return_full_text=True, repetition_penalty=1.2, truncate=50,
+                            return_k_alternatives=2,
+                            response_format={"type": "json_object", "schema": {"type": "object"}})
+    body = Request(inputs="Jack", stream=True, parameters=parameters).model_dump(by_alias=True)
+    prompt, params, stream = parse_lorax(json.loads(json.dumps(body)))
+    assert (prompt, stream, params.adapter_id, params.max_new_tokens, params.seed) == \
+        ("Jack", True, "entities", 7, 3)
+    assert params.sampling and params.stop == ["."] and params.alternatives == 2
+    assert params.schema == {"type": "object"} and params.truncate == 50
+    prompts, params, stream, extras = parse_completion(
+        {"model": "title", "prompt": "Jack", "max_tokens": 3, "temperature": 0, "echo": True},
+        "bundled")
+    assert prompts == ["Jack"] and params.adapter_id == "title" and not params.sampling
+    assert extras["echo"] and not stream
+
+
+def _engine_answers(engine, jobs):
+    """Run (prompt, max_new_tokens) jobs through an engine in this process, all at once."""
+    from helpers.server.protocol import GenerationParams
+
+    async def main():
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        for tag, (prompt, n) in enumerate(jobs):
+            prepared = engine.prepare(prompt, GenerationParams(max_new_tokens=n))
+            engine.submit(prepared, loop, queue, tag)
+        answers = {}
+        while len(answers) < len(jobs):
+            tag, event = await asyncio.wait_for(queue.get(), 60)
+            if getattr(event, "finish", None) is not None:
+                answers[tag] = event.finish["generated_text"]
+            elif not hasattr(event, "token"):
+                answers[tag] = event
+        return [answers[i] for i in range(len(jobs))]
+
+    return asyncio.run(main())
+
+
+def test_the_engine_serves_a_llama_style_model(tiny_llama):
+    """Rotary positions and grouped-query attention (2 kv heads for 4 heads): continuous
+    batching in the engine gives what one request at a time gives."""
+    from helpers.server import Engine
+
+    model, tokenizer = tiny_llama
+    jobs = [(COURSE_PROMPTS[i % 5] + " and" * (i % 3), 3 + 2 * i) for i in range(7)]
+    engine = Engine(model, tokenizer, adapters_dir=None, max_batch_size=3).start()
+    try:
+        assert _engine_answers(engine, jobs) == generate_sequential(model, tokenizer, jobs)
+    finally:
+        engine.stop()
+
+
+def test_a_failing_model_fails_its_requests_not_the_server(tiny_llama, monkeypatch):
+    from helpers.server import Engine, create_app
+
+    model, tokenizer = tiny_llama
+    engine = Engine(model, tokenizer, adapters_dir=None, max_batch_size=2).start()
+    app = create_app(engine, manage_engine=False)
+    forward = type(model).forward
+    failures = [1]
+
+    def flaky(self, *args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("out of memory (simulated)")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", flaky)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            body = {"inputs": "Jack and Jill", "parameters": {"max_new_tokens": 4}}
+            failed = await client.post("/generate", json=body)
+            served = await client.post("/generate", json=body)
+            health = await client.get("/health")
+            return failed, served, health
+
+    try:
+        failed, served, health = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert failed.status_code == 500
+    assert failed.json() == {"error": "generation failed: RuntimeError: out of memory "
+                                      "(simulated)", "error_type": "generation"}
+    assert served.status_code == 200 and health.status_code == 200
