@@ -71,6 +71,8 @@ compat: $(STAMP_TF4) $(STAMP_COLAB)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_batching.py
 	$(PY) benchmarks/bench_quantization.py
+	$(PY) benchmarks/bench_lora.py
+	$(PY) benchmarks/bench_server.py
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat
