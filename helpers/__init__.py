@@ -36,6 +36,21 @@ from .generation import (
     kv_width,
     next_token_candidates,
 )
+from .lora import (
+    ADAPTERS_DIR,
+    NO_ADAPTER,
+    TOY_COLOURS,
+    LoraLayer,
+    MultiLora,
+    MultiLoraLayer,
+    ToyModel,
+    ToyMultiLoraModel,
+    linear_lora_gathered,
+    linear_lora_loop,
+    load_adapters,
+    random_adapters,
+    shipped_adapters,
+)
 from .models import (
     BUNDLED_MODEL_DIR,
     MODEL_ENV_VAR,
@@ -80,6 +95,10 @@ __all__ = [
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",
     "quantization_errors", "quantize", "quantize_model", "quiet_stderr",
     "torchao_int8_weight_only",
+    # lessons 05-06: LoRA
+    "ADAPTERS_DIR", "NO_ADAPTER", "TOY_COLOURS", "LoraLayer", "MultiLora", "MultiLoraLayer",
+    "ToyModel", "ToyMultiLoraModel", "linear_lora_gathered", "linear_lora_loop",
+    "load_adapters", "random_adapters", "shipped_adapters",
     # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
     "BackgroundServer", "serve_in_background",
 ]

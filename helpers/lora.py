@@ -313,10 +313,9 @@ class MultiLoraLayer(nn.Module):
             h = self.lora_a[self.slots.view(-1, 1), x.reshape(batch, -1)]  # (batch, seq, rank)
         else:
             h = torch.bmm(x.reshape(batch, -1, self.in_features), self.row_a)  # (batch, seq, rank)
-        # baddbmm adds h @ B to the base output in one call (viewed as (batch, seq, out)).
-        out = torch.baddbmm(out.reshape(batch, -1, self.out_features), h, self.row_b)
-        shape = x.shape if self.is_embedding else x.shape[:-1]
-        return out.view(*shape, self.out_features)
+        # baddbmm_ adds h @ B to the base output in place, viewed as (batch, seq, out).
+        out.view(batch, -1, self.out_features).baddbmm_(h, self.row_b)
+        return out
 
     def extra_repr(self) -> str:
         return f"adapters={self.lora_a.shape[0] - 1}, rank={self.rank}"
