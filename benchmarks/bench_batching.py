@@ -28,7 +28,6 @@ average before the run is recorded with them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -46,6 +45,7 @@ from helpers import load_model  # noqa: E402
 from helpers.batching import (Trace, generate_batched, generate_continuous,  # noqa: E402
                               generate_static, ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
+from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
@@ -239,12 +239,7 @@ def main(argv=None):
         and g["same_tokens"] and result.get("generate_batch", {}).get("same_answers", True),
     }
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_batching.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (out / "bench_batching.md").write_text(text)
-    print(text)
+    write_results(args.out, "bench_batching", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 
 

@@ -19,7 +19,6 @@ Writes benchmarks/results/lora.json and lora.md and prints the markdown.
 
 import argparse
 import datetime
-import json
 import pathlib
 import platform
 import statistics
@@ -36,6 +35,7 @@ from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel,  # noqa: 
                           linear_lora_gathered, linear_lora_loop, load_adapters,
                           random_adapters, shipped_adapters)
 from helpers.models import load_model  # noqa: E402
+from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -219,11 +219,7 @@ def main():
               "toy": bench_toy(args)}
     if not args.skip_real:
         result["real"] = bench_real(args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "lora.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (RESULTS / "lora.md").write_text(text)
-    print(text)
+    write_results(RESULTS, "lora", result, markdown(result))
 
 
 if __name__ == "__main__":

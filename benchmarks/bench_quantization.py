@@ -16,7 +16,6 @@ Writes benchmarks/results/quantization.json and quantization.md and prints the m
 import argparse
 import copy
 import datetime
-import json
 import pathlib
 import platform
 import statistics
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 from helpers.quantization import (dequantize_model, footprint, import_torchao,  # noqa: E402
                                   perplexity, quantize_model, quiet_stderr,
                                   torchao_int8_weight_only)
+from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
@@ -138,12 +138,7 @@ def main():
         "held_out_docs": args.docs, "decode_tokens": args.tokens, "repeats": args.repeats,
         "rows": rows,
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quantization.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = to_markdown(result)
-    (out / "quantization.md").write_text(md)
-    print(md)
+    write_results(args.out, "quantization", result, to_markdown(result))
 
 
 def to_markdown(result) -> str:

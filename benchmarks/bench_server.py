@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from helpers.server import serve_in_background  # noqa: E402
+from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
@@ -242,12 +243,7 @@ def main(argv=None):
                              result["speedup"] >= TARGETS["speedup"],
                              "same texts": result["same_texts"]}
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_server.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (out / "bench_server.md").write_text(text)
-    print(text)
+    write_results(args.out, "bench_server", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 
 
