@@ -45,6 +45,26 @@ def sample_continuations() -> str:
     return "\n".join(["| prompt | greedy continuation, 20 tokens (⏎ marks the end-of-text token) |", "|---|---|", *rows])
 
 
+def adapters_section() -> str:
+    """The shipped LoRA adapters (scripts/train_adapters.py), from their training logs."""
+    folder = MODEL.parent / "adapters"
+    rows = []
+    for log_path in sorted(folder.glob("*/training_log.json")):
+        log = json.loads(log_path.read_text())
+        rows.append(f"| {log_path.parent.name} | {log.get('steps', '?')} | "
+                    f"{log.get('train_seconds', float('nan')):.0f} s | "
+                    f"{log.get('final_loss', float('nan')):.3f} |")
+    if not rows:
+        return ""
+    return ("\n## LoRA adapters trained on this model\n\n"
+            "Trained with peft by `python scripts/train_adapters.py` (seeded) on tasks from the same "
+            "world; details, prompt formats and examples in "
+            "[helpers/assets/adapters/README.md](../adapters/README.md). Training time is wall "
+            "time on the same 2-core machine, shared with other jobs at the time.\n\n"
+            "| adapter | steps | training time | final loss |\n|---|---:|---:|---:|\n"
+            + "\n".join(rows) + "\n")
+
+
 def main():
     log = json.loads((MODEL / "training_log.json").read_text())
     config = json.loads((MODEL / "config.json").read_text())
@@ -90,6 +110,7 @@ Both scripts are seeded; on the same machine and thread count they give the same
 | step | loss | seconds |
 |---:|---:|---:|
 """ + "\n".join(f"| {r['step']} | {r['loss']:.3f} | {r['seconds']:.0f} |" for r in log["log"][::2]) + "\n"
+    card += adapters_section()
     (MODEL / "README.md").write_text(card)
     print(f"wrote {MODEL / 'README.md'}")
 
