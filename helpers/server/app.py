@@ -97,6 +97,12 @@ def create_app(engine: Engine, *, manage_engine: bool = True) -> FastAPI:
     async def api_error(request, err: ApiError):
         return _error(err, request)
 
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request, err: _ClientGone):
+        # Nobody reads this answer; 499 (nginx's "client closed request") marks it in logs.
+        return JSONResponse({"error": "client disconnected", "error_type": "generation"},
+                            status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request, err: RequestValidationError):
         return _error(invalid(describe_validation_errors(err.errors())), request)
@@ -228,20 +234,12 @@ def create_app(engine: Engine, *, manage_engine: bool = True) -> FastAPI:
         prompt, params, stream = parse_lorax(await read_body(request))
         if stream:
             return await lorax_stream(prompt, params)
-        try:
-            return JSONResponse([await lorax_answer(request, prompt, params)])
-        except _ClientGone:
-            return JSONResponse({"error": "client disconnected", "error_type": "generation"},
-                                status_code=499)
+        return JSONResponse([await lorax_answer(request, prompt, params)])
 
     @app.post("/generate")
     async def generate(request: Request):
         prompt, params, _ = parse_lorax(await read_body(request))
-        try:
-            return JSONResponse(await lorax_answer(request, prompt, params))
-        except _ClientGone:
-            return JSONResponse({"error": "client disconnected", "error_type": "generation"},
-                                status_code=499)
+        return JSONResponse(await lorax_answer(request, prompt, params))
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
@@ -294,9 +292,6 @@ def create_app(engine: Engine, *, manage_engine: bool = True) -> FastAPI:
                 tokens[tag].append(event.token)
                 if event.finish is not None:
                     results[tag] = event.finish
-        except _ClientGone:
-            return JSONResponse({"error": "client disconnected", "error_type": "generation"},
-                                status_code=499)
         finally:
             cancel_unfinished(handles)
         choices = []
