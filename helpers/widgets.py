@@ -26,6 +26,12 @@ from matplotlib.ticker import FuncFormatter
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 
 
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
 def _display(obj, **kwargs):
     from IPython.display import display
 
@@ -132,9 +138,7 @@ class LivePlot:
 
     def png(self) -> bytes:
         """The current chart as PNG bytes."""
-        buf = io.BytesIO()
-        self.figure().savefig(buf, format="png")
-        return buf.getvalue()
+        return _png(self.figure())
 
     def _image(self):
         from IPython.display import Image
@@ -146,9 +150,7 @@ def show_figure(fig: Figure) -> None:
     """Display a matplotlib Figure as a PNG image (same path as LivePlot's final picture)."""
     from IPython.display import Image
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    _display(Image(data=buf.getvalue(), format="png"))
+    _display(Image(data=_png(fig), format="png"))
 
 
 def rerun_controls(run, button: str = "Run again", **sliders):
