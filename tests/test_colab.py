@@ -13,16 +13,21 @@ from notebook_setup import colab_cell, repo_url  # noqa: E402
 NEVER_REINSTALL = ("torch", "matplotlib", "ipywidgets")
 
 
+def _pretend_colab(monkeypatch):
+    """Make `"google.colab" in sys.modules` true, as it is inside Colab."""
+    google = types.ModuleType("google")
+    google.colab = types.ModuleType("google.colab")
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", google.colab)
+
+
 def _run_cell(monkeypatch, tmp_path, in_colab: bool):
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.chdir(tmp_path)
     if in_colab:
-        google = types.ModuleType("google")
-        google.colab = types.ModuleType("google.colab")
-        monkeypatch.setitem(sys.modules, "google", google)
-        monkeypatch.setitem(sys.modules, "google.colab", google.colab)
+        _pretend_colab(monkeypatch)
         (tmp_path / "lessons").mkdir()
         # The cell clones into /content/course; point it at a folder of ours instead.
         source = colab_cell().replace('"/content/course"', repr(str(tmp_path)))
@@ -56,10 +61,7 @@ def test_inside_colab_a_fresh_runtime_clones_the_configured_address(monkeypatch,
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    google = types.ModuleType("google")
-    google.colab = types.ModuleType("google.colab")
-    monkeypatch.setitem(sys.modules, "google", google)
-    monkeypatch.setitem(sys.modules, "google.colab", google.colab)
+    _pretend_colab(monkeypatch)
     target = tmp_path / "course"
     source = colab_cell().replace('"/content/course"', repr(str(target)))
     source = source.replace("os.chdir(", "print(")  # the fake clone made no folder
