@@ -573,14 +573,15 @@ def _check_counts(token_counts):
 
 def transformers_generate_batch(model, tokenizer, requests: list[Request],
                                 batch_size: int | None = None, progress: bool = False,
-                                timeout: float = 600.0) -> list[str]:
+                                timeout: float = 600.0, stop_at_eos: bool = True) -> list[str]:
     """The same queue through transformers' own continuous batching: what the library does.
     (Lesson 03.)
 
     Uses the manager behind ``model.generate_batch`` (paged attention, a background thread),
     adding each request with its own ``max_tokens`` (``generate_batch`` itself takes one
     ``max_new_tokens`` for all). Greedy; EOS ends a request and is left out of its text, as in
-    our drivers. Returns the continuations in request order. ``batch_size`` caps the requests
+    our drivers (with ``stop_at_eos=False`` it is an ordinary token: every request gets its
+    ``max_tokens``). Returns the continuations in request order. ``batch_size`` caps the requests
     per step (None: the library decides).
 
     The paged KV cache is sized for this queue: left to itself, transformers sizes it from the
@@ -595,7 +596,7 @@ def transformers_generate_batch(model, tokenizer, requests: list[Request],
         _check_batch_size(batch_size)
     token_lists = tokenizer([prompt for prompt, _ in requests])["input_ids"]
     config = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in requests),
-                              eos_token_id=tokenizer.eos_token_id,
+                              eos_token_id=tokenizer.eos_token_id if stop_at_eos else [],
                               pad_token_id=_pad_id(tokenizer))
     # Enough cache pages for every request at its full length, and room for every prompt in
     # one forward pass.
@@ -634,7 +635,7 @@ def transformers_generate_batch(model, tokenizer, requests: list[Request],
                 if result is None or not _finished(result):
                     continue
                 tokens = list(result.generated_tokens)
-                if tokenizer.eos_token_id in tokens:
+                if stop_at_eos and tokenizer.eos_token_id in tokens:
                     tokens = tokens[:tokens.index(tokenizer.eos_token_id)]
                 answers[int(result.request_id.split("-")[1])] = tokenizer.decode(tokens)
                 bar.update(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import (BUNDLED_MODEL_DIR, Batch, Trace, cache_from_layers, cache_layers,
+from helpers import (BUNDLED_MODEL_DIR, Batch, Trace, cache_from_layers, cache_layers, load_model,
                      filter_batch, generate_batched, generate_continuous, generate_next_token,
                      generate_sequential, generate_static, generate_with_cache,
                      ideal_decode_steps, init_batch, left_pad, load_tokenizer, merge_batches,
@@ -308,6 +308,22 @@ def test_transformers_generate_batch_gives_the_same_answers(tiny_gqa_llama):
     assert transformers_generate_batch(model, tokenizer, requests, batch_size=2) == expected
     assert model.config._attn_implementation == "sdpa"   # put back afterwards
     assert generate_sequential(model, tokenizer, requests) == expected
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x runs its continuous batching on GPUs only")
+@pytest.mark.skipif(not HAVE_BUNDLED, reason="needs the bundled model")
+def test_transformers_generate_batch_can_run_past_eos():
+    """With stop_at_eos=False every request gets its max_tokens, EOS included, as in our
+    drivers. The bundled model ends the fox's story after about ten tokens."""
+    model, tokenizer = load_model()
+    requests = [("The quick brown fox jumped over the", 30), ("Jack and Jill", 4)]
+    trace = Trace()
+    ours = generate_continuous(model, tokenizer, requests, stop_at_eos=False, trace=trace)
+    assert [len(ids) for ids in trace.token_ids] == [30, 4]
+    assert tokenizer.eos_token in ours[0]
+    assert transformers_generate_batch(model, tokenizer, requests, stop_at_eos=False) == ours
+    stopped = transformers_generate_batch(model, tokenizer, requests)
+    assert stopped[0] == ours[0].split(tokenizer.eos_token)[0]
 
 
 @pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 runs its continuous batching on CPUs too")
