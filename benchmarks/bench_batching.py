@@ -31,6 +31,7 @@ import argparse
 import os
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
 BATCH_SIZE = 8
+LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 TARGETS = {"speedup": 3.0, "steps_over_ideal": 1.15, "ours_over_generate": 1.2}
 
 
@@ -64,7 +66,16 @@ def spread(values):
             "runs": [round(v, 4) for v in values]}
 
 
-def run_drivers(model, tokenizer, queue, reps, stop_at_eos):
+def long_tailed_queue(n=128, seed=0, scale=8, alpha=1.5, cap=200):
+    """``n`` requests whose max_tokens follow a Pareto law (most are short, a few are very
+    long: the shape of real chat traffic), at least ``scale`` and at most ``cap`` tokens;
+    the course prompts in turn. Seeded."""
+    rng = random.Random(seed)
+    return [(PROMPTS[i % len(PROMPTS)], min(cap, round(scale * rng.paretovariate(alpha))))
+            for i in range(n)]
+
+
+def run_drivers(model, tokenizer, queue, reps, stop_at_eos, batch_size=BATCH_SIZE):
     """Static and continuous batching on ``queue``, alternating, ``reps`` times (after a
     warm-up run of each)."""
     seconds = {"static": [], "continuous": []}
@@ -73,7 +84,7 @@ def run_drivers(model, tokenizer, queue, reps, stop_at_eos):
     for rep in range(reps + 1):
         for name, driver in drivers.items():
             trace = Trace()
-            answers[name] = driver(model, tokenizer, queue, batch_size=BATCH_SIZE, progress=False,
+            answers[name] = driver(model, tokenizer, queue, batch_size=batch_size, progress=False,
                                    stop_at_eos=stop_at_eos, trace=trace)
             traces[name] = trace
             if rep > 0:                      # run 0 warms up
@@ -82,9 +93,9 @@ def run_drivers(model, tokenizer, queue, reps, stop_at_eos):
     counts = [len(ids) + (len(ids) < max_tokens)
               for ids, (_, max_tokens) in zip(traces["continuous"].token_ids, queue)]
     static, continuous = spread(seconds["static"]), spread(seconds["continuous"])
-    ideal = ideal_decode_steps(counts, BATCH_SIZE)
+    ideal = ideal_decode_steps(counts, batch_size)
     return {
-        "stop_at_eos": stop_at_eos,
+        "stop_at_eos": stop_at_eos, "batch_size": batch_size, "requests": len(queue),
         "tokens": sum(len(ids) for ids in traces["continuous"].token_ids),
         "static": dict(static, decode_steps=traces["static"].decode_steps,
                        prefill_steps=traces["static"].prefill_steps,
@@ -93,7 +104,7 @@ def run_drivers(model, tokenizer, queue, reps, stop_at_eos):
                            prefill_steps=traces["continuous"].prefill_steps,
                            slot_utilization=traces["continuous"].utilization()),
         "ideal_decode_steps": ideal,
-        "static_decode_steps_bound": static_decode_steps(counts, BATCH_SIZE),
+        "static_decode_steps_bound": static_decode_steps(counts, batch_size),
         "speedup": static["median"] / continuous["median"],
         # Each repetition ran static then continuous: their ratio pairs runs under the same load.
         "speedup_per_run": [round(a / b, 3) for a, b in zip(seconds["static"], seconds["continuous"])],
@@ -131,16 +142,18 @@ def run_generate(model, tokenizer, reps, new_tokens):
             "ours_over_generate": ours["median"] / theirs["median"], "same_tokens": same}
 
 
-def run_generate_batch(model, tokenizer, queue, reps):
-    """transformers' continuous batching versus ours, on the queue, with the EOS rule."""
+def run_generate_batch(model, tokenizer, queue, reps, stop_at_eos=True, batch_size=BATCH_SIZE):
+    """transformers' continuous batching versus ours, on the queue (by default with the EOS
+    rule), taking turns."""
     seconds, ours = [], []
     for rep in range(reps + 1):
         start = time.perf_counter()
-        theirs = transformers_generate_batch(model, tokenizer, queue, batch_size=BATCH_SIZE)
+        theirs = transformers_generate_batch(model, tokenizer, queue, batch_size=batch_size,
+                                             stop_at_eos=stop_at_eos)
         elapsed = time.perf_counter() - start
         trace = Trace()
-        answers = generate_continuous(model, tokenizer, queue, batch_size=BATCH_SIZE,
-                                      progress=False, trace=trace)
+        answers = generate_continuous(model, tokenizer, queue, batch_size=batch_size,
+                                      progress=False, trace=trace, stop_at_eos=stop_at_eos)
         if rep > 0:
             seconds.append(elapsed)
             ours.append(trace.seconds)
@@ -148,6 +161,47 @@ def run_generate_batch(model, tokenizer, queue, reps):
     return {"generate_batch": theirs_s, "ours_continuous": ours_s,
             "ours_over_generate_batch": ours_s["median"] / theirs_s["median"],
             "same_answers": theirs == answers}
+
+
+def plot(result, path):
+    """Wall time per driver (left) and decode steps against their bounds (right), for the
+    course queue and the long-tailed one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # (generate_batch ran on the course queue with the EOS rule: not the same work as the
+    # bars beside it, so it is drawn for the long-tailed queue only.)
+    queues = {"course queue\n(32 requests, batch 8)": (result["course_queue"], None),
+              f"long-tailed queue\n({len(result['long_tail']['queue'])} requests, batch "
+              f"{LONG_BATCH_SIZE})": (result["long_tail"]["drivers"],
+                                      result["long_tail"].get("generate_batch"))}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"static": "tab:red", "continuous": "tab:green", "generate_batch": "tab:gray"}
+    for q, (label, (drivers, gb)) in enumerate(queues.items()):
+        bars = {"static": drivers["static"], "continuous": drivers["continuous"]}
+        if gb:
+            bars["generate_batch"] = gb["generate_batch"]
+        for i, (name, r) in enumerate(bars.items()):
+            x = q * 4 + i
+            left.bar(x, r["median"], color=colours[name], label=name if q == 1 else None,
+                     yerr=[[r["median"] - r["min"]], [r["max"] - r["median"]]], capsize=3)
+        for i, name in enumerate(("static", "continuous")):
+            x = q * 3 + i
+            right.bar(x, drivers[name]["decode_steps"], color=colours[name])
+            bound = (drivers["static_decode_steps_bound"] if name == "static"
+                     else drivers["ideal_decode_steps"])
+            right.plot([x - 0.4, x + 0.4], [bound, bound], "k--")
+    left.set_xticks([1, 5], list(queues))
+    left.set(ylabel="seconds (median, min-max)", title="Wall time, every request to its max_tokens")
+    left.legend()
+    right.set_xticks([0.5, 3.5], list(queues))
+    right.set(ylabel="decode steps", title="Decode steps (dashed: the bound of each schedule)")
+    for ax in (left, right):
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(result):
@@ -189,6 +243,37 @@ def markdown(result):
             f"included): {b['generate_batch']['median']:.3f} s; ours: "
             f"{b['ours_continuous']['median']:.3f} s = **{b['ours_over_generate_batch']:.2f}x** "
             f"its time; same answers: {b['same_answers']}.")
+    if "long_tail" in result:
+        lt = result["long_tail"]
+        d, gb = lt["drivers"], lt.get("generate_batch")
+        counts = [r["max_tokens"] for r in lt["queue"]]
+        lines += [
+            "", f"## {len(counts)} requests, long-tailed lengths, batch size {d['batch_size']}",
+            "", f"max_tokens drawn from a Pareto law (seeded): median "
+            f"{statistics.median(counts):.0f}, mean {statistics.mean(counts):.1f}, max "
+            f"{max(counts)}; {d['tokens']} tokens in all, every request to its max_tokens "
+            "(EOS is an ordinary token).", "",
+            "| driver | seconds (median) | min-max | decode steps | bound | slots busy |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in ("static", "continuous"):
+            r = d[name]
+            bound = d["ideal_decode_steps"] if name == "continuous" else d["static_decode_steps_bound"]
+            lines.append(f"| {name} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} | "
+                         f"{r['decode_steps']} | {bound} | {r['slot_utilization']:.0%} |")
+        if gb:
+            g = gb["generate_batch"]
+            lines.append(f"| transformers `generate_batch` | {g['median']:.3f} | "
+                         f"{g['min']:.3f}-{g['max']:.3f} | | | |")
+        lines += ["", f"- continuous vs static: **{d['speedup']:.2f}x** faster (per repetition "
+                  f"{min(d['speedup_per_run']):.2f}-{max(d['speedup_per_run']):.2f}); decode "
+                  f"steps / ideal bound **{d['steps_over_ideal']:.3f}**; same answers: "
+                  f"{d['same_answers']}."]
+        if gb:
+            lines.append(f"- ours vs transformers `generate_batch` (set-up included): "
+                         f"**{gb['ours_over_generate_batch']:.2f}x** its time; same answers: "
+                         f"{gb['same_answers']}.")
+        lines += ["", "![Batching](batching.png)"]
     lines += ["", "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
                                         for k, v in result["targets_met"].items()), ""]
     return "\n".join(lines)
@@ -230,14 +315,26 @@ def main(argv=None):
     if int(transformers.__version__.split(".")[0]) >= 5:
         print(f"transformers generate_batch (x{reps}) ...", flush=True)
         result["generate_batch"] = run_generate_batch(model, tokenizer, queue, reps)
+    long_queue = long_tailed_queue()
+    result["long_tail"] = {"queue": [{"prompt": p, "max_tokens": m} for p, m in long_queue]}
+    print(f"{len(long_queue)} long-tailed requests, static vs continuous (x{reps}) ...", flush=True)
+    result["long_tail"]["drivers"] = run_drivers(model, tokenizer, long_queue, reps,
+                                                 stop_at_eos=False, batch_size=LONG_BATCH_SIZE)
+    if "generate_batch" in result:
+        print(f"{len(long_queue)} long-tailed requests, generate_batch (x{reps}) ...", flush=True)
+        result["long_tail"]["generate_batch"] = run_generate_batch(
+            model, tokenizer, long_queue, reps, stop_at_eos=False, batch_size=LONG_BATCH_SIZE)
     q, g = result["course_queue"], result["generate"]
     result["targets_met"] = {
         "continuous >= 3.0x static": q["speedup"] >= TARGETS["speedup"],
         "decode steps within 15% of ideal": q["steps_over_ideal"] <= TARGETS["steps_over_ideal"],
         "ours <= 1.2x model.generate": g["ours_over_generate"] <= TARGETS["ours_over_generate"],
         "same answers everywhere": q["same_answers"] and result["course_queue_with_eos"]["same_answers"]
-        and g["same_tokens"] and result.get("generate_batch", {}).get("same_answers", True),
+        and g["same_tokens"] and result.get("generate_batch", {}).get("same_answers", True)
+        and result["long_tail"]["drivers"]["same_answers"]
+        and result["long_tail"].get("generate_batch", {}).get("same_answers", True),
     }
+    plot(result, pathlib.Path(args.out) / "batching.png")
 
     write_results(args.out, "bench_batching", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
