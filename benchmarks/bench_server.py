@@ -1,35 +1,50 @@
-"""Benchmark of lesson 07: the server under 16 concurrent streaming clients versus the same 16
-requests one after another.
+"""Benchmark of lesson 07: the server under concurrent streaming clients.
 
-    python benchmarks/bench_server.py            # full run (about a minute on a laptop CPU)
-    python benchmarks/bench_server.py --quick    # one repetition, for a smoke test
+    python benchmarks/bench_server.py            # full run (about a minute on a 2-core CPU)
+    python benchmarks/bench_server.py --quick    # fewer repetitions, for a smoke test
 
-The server runs in its own process (``helpers.server.serve_in_background``), as in the lesson;
-this process is the clients (httpx, streaming ``POST /generate_stream``, reading the
-server-sent events as they come). Each request is a course prompt with ``max_new_tokens`` new
-tokens and ``ignore_eos_token`` (so that every request produces exactly that many tokens,
-and both runs do the same work). Greedy.
+The server runs in its own process (``helpers.server.serve_in_background``), as in the lesson,
+started once for the whole run; this process is the clients (httpx, streaming
+``POST /generate_stream``, reading the server-sent events as they come). Each request is a
+course prompt with ``max_new_tokens`` new tokens and ``ignore_eos_token`` (so that every
+request produces exactly that many tokens, and runs with the same number of requests do the
+same work). Greedy.
 
 What it measures, after a warm-up request:
 
-1. one after another: each request alone on an idle server. Tokens/s = all tokens / wall time;
-   TTFT (time to first token: from sending the request to its first event) = "idle" TTFT.
-2. concurrently: the 16 requests at once. Tokens/s = all tokens / wall time from the first
-   request sent to the last event received; the clients' TTFT = TTFT "under load".
+1. one after another: 16 requests, each alone on an idle server. Tokens/s = all tokens / wall
+   time; TTFT (time to first token: from sending the request to its first event) = "idle"
+   TTFT.
+2. concurrently: the same 16 requests at once. Tokens/s = all tokens / wall time from the
+   first request sent to the last event received; the clients' TTFT = TTFT "under load".
 3. probes: while a concurrent run streams, single-token requests sent one after another
    measure the TTFT of a request that joins a busy batch (it waits for the current step, then
    its prefill is merged in).
+4. a sweep over concurrency: 1, 4, 16 and 64 clients, each level that many requests sent at
+   once (same prompts, same number of new tokens). Per level: wall time, tokens, tokens/s,
+   TTFT p50/p95, and the inter-token latency p50/p95 as the clients see it (the time between
+   two consecutive events of one stream, over every stream of the run; events that reach the
+   client in the same read count as a gap of ~0). Every request opens its own connection, as
+   separate clients would, so TTFT includes connecting and the server reading every request
+   that arrives at once. Each figure is the median over repetitions, with its spread
+   (min-max); the levels take turns within each repetition, so that a slow moment of the
+   machine does not land on one level only. The server's max batch size lets the largest
+   level run as one batch (the largest batch it ran is reported, to check that).
 
 Target (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another. Also checks that
-both runs return the same texts.
+both runs return the same texts, and that every request of the sweep was answered in full.
 
-Writes ``benchmarks/results/bench_server.json`` and ``.md`` and prints the table.
+Writes ``benchmarks/results/bench_server.json`` (all numbers) and ``.md`` (the tables, with
+the machine, threads, load average and date), ``benchmarks/results/server.png`` (tokens/s and
+TTFT versus the number of clients) and prints the tables. Exits with status 1 when a target or
+a check is missed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import pathlib
@@ -49,6 +64,7 @@ from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
 TARGETS = {"speedup": 4.0}
+SWEEP_LEVELS = (1, 4, 16, 64)
 
 
 def percentile(values, q):
@@ -66,30 +82,39 @@ def summary(values):
             "max": max(values), "n": len(values)}
 
 
+def spread(values):
+    """Median and range of one figure over the repetitions."""
+    values = list(values)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int) -> dict:
-    """One streaming request: its TTFT, its end time, its tokens and its text."""
+    """One streaming request: its TTFT, the arrival time of each event, its end time, its
+    tokens and its text."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens,
                                              "ignore_eos_token": True}}
     start = time.perf_counter()
-    first = None
-    tokens = 0
+    arrivals = []
     text = None
     async with client.stream("POST", url + "/generate_stream", json=body) as reply:
         if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {await reply.aread()}")
+            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
         async for line in reply.aiter_lines():
             if not line.startswith("data:"):
                 continue
+            now = time.perf_counter()
             event = json.loads(line[5:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            if first is None:
-                first = time.perf_counter()
-            tokens += 1
+            arrivals.append(now)
             if event.get("generated_text") is not None:
                 text = event["generated_text"]
     end = time.perf_counter()
-    return {"start": start, "ttft": first - start, "end": end, "tokens": tokens, "text": text}
+    if not arrivals:
+        raise RuntimeError("the stream ended without a token")
+    return {"start": start, "ttft": arrivals[0] - start, "end": end, "tokens": len(arrivals),
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "text": text}
 
 
 async def one_after_another(url, jobs):
@@ -99,7 +124,10 @@ async def one_after_another(url, jobs):
         return results, time.perf_counter() - start
 
 
-async def concurrently(url, jobs, probes=0):
+async def concurrently(url, jobs, probes=0, tolerate_errors=False):
+    """Send every job at once. Returns the results (with ``tolerate_errors``, a failed request
+    is its exception instead of a result), the wall time from the first request sent to the
+    last event received, and the probes' TTFTs."""
     limits = httpx.Limits(max_connections=len(jobs) + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         start = time.perf_counter()
@@ -112,9 +140,121 @@ async def concurrently(url, jobs, probes=0):
                     break
                 probe = await stream(client, url, PROMPTS[0], 1)
                 probe_ttfts.append(probe["ttft"])
-        results = await asyncio.gather(*tasks)
-        return results, max(r["end"] for r in results) - start, probe_ttfts
+        results = await asyncio.gather(*tasks, return_exceptions=tolerate_errors)
+        ends = [r["end"] for r in results if isinstance(r, dict)]
+        seconds = (max(ends) if ends else time.perf_counter()) - start
+        return results, seconds, probe_ttfts
 
+
+def metrics(url):
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
+            for line in text.splitlines() if line}
+
+
+def steps_between(before, after):
+    return {kind: int(after.get(f"steps_{kind}", 0) - before.get(f"steps_{kind}", 0))
+            for kind in ("decode", "prefill")}
+
+
+# --- the sweep over concurrency ------------------------------------------------------------
+
+def sweep_run(url, clients, new_tokens):
+    """``clients`` requests at once: the figures of one repetition of one level."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
+    before = metrics(url)
+    results, seconds, _ = asyncio.run(concurrently(url, jobs, tolerate_errors=True))
+    steps = steps_between(before, metrics(url))
+    answered = [r for r in results if isinstance(r, dict)]
+    errors = [f"{type(r).__name__}: {r}" for r in results if not isinstance(r, dict)]
+    errors += [f"{r['tokens']} tokens instead of {new_tokens}" for r in answered
+               if r["tokens"] != new_tokens]
+    tokens = sum(r["tokens"] for r in answered)
+    ttfts = [r["ttft"] for r in answered]
+    gaps = [gap for r in answered for gap in r["gaps"]]
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
+            "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
+            "itl_p50": percentile(gaps, 50), "itl_p95": percentile(gaps, 95),
+            "steps_decode": steps["decode"], "steps_prefill": steps["prefill"],
+            "errors": errors}
+
+
+def sweep(url, levels, new_tokens, reps):
+    """Every level once per repetition (the levels take turns), after one warm-up run of the
+    largest level. Returns one entry per level: each figure's median and spread."""
+    print(f"sweep: warm-up with {max(levels)} clients ...", flush=True)
+    sweep_run(url, max(levels), new_tokens)
+    runs = {n: [] for n in levels}
+    for rep in range(reps):
+        for n in levels:
+            print(f"sweep repetition {rep + 1}/{reps}: {n} concurrent client(s) ...", flush=True)
+            runs[n].append(sweep_run(url, n, new_tokens))
+    table = []
+    for n in levels:
+        entry = {"clients": n, "requests": n * reps,
+                 "tokens": int(statistics.median(r["tokens"] for r in runs[n]))}
+        for key, label in (("seconds", "wall_seconds"), ("tokens_per_second", None),
+                           ("ttft_p50", "ttft_p50_seconds"), ("ttft_p95", "ttft_p95_seconds"),
+                           ("itl_p50", "itl_p50_seconds"), ("itl_p95", "itl_p95_seconds"),
+                           ("steps_decode", "server_decode_steps"),
+                           ("steps_prefill", "server_prefill_steps")):
+            entry[label or key] = spread(r[key] for r in runs[n])
+        entry["errors"] = [e for r in runs[n] for e in r["errors"]]
+        table.append(entry)
+    return table
+
+
+def plot(result, path):
+    """Two panels: tokens/s versus clients, and TTFT p50/p95 versus clients (median over the
+    repetitions, bars from min to max)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    table = result["sweep"]["levels"]
+    clients = [row["clients"] for row in table]
+
+    def series(key, scale=1.0):
+        middle = [row[key]["median"] * scale for row in table]
+        below = [m - row[key]["min"] * scale for m, row in zip(middle, table)]
+        above = [row[key]["max"] * scale - m for m, row in zip(middle, table)]
+        return middle, [below, above]
+
+    figure = Figure(figsize=(11, 4.4), layout="constrained")
+    FigureCanvasAgg(figure)
+    left, right = figure.subplots(1, 2)
+    rate, bars = series("tokens_per_second")
+    left.errorbar(clients, rate, yerr=bars, marker="o", capsize=4, color="tab:blue")
+    for x, y in zip(clients, rate):
+        left.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(7, -12),
+                      ha="left", fontsize=9)
+    left.set_title("Throughput versus clients")
+    left.set_ylabel("generated tokens per second (all clients)")
+    left.set_ylim(bottom=0, top=max(rate) * 1.2)
+    for name, key, colour in (("p50", "ttft_p50_seconds", "tab:green"),
+                              ("p95", "ttft_p95_seconds", "tab:red")):
+        values, bars = series(key, 1e3)
+        right.errorbar(clients, values, yerr=bars, marker="o", capsize=4, color=colour,
+                       label=f"TTFT {name}")
+    right.set_title("Time to first token (TTFT) versus clients")
+    right.set_ylabel("time to first token (ms)")
+    right.set_ylim(bottom=0)
+    right.legend()
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent streaming clients")
+        ax.grid(alpha=0.3)
+    sweep_info = result["sweep"]
+    figure.suptitle(
+        f"Course server, {sweep_info['new_tokens']} new tokens per request: {result['model']} "
+        f"model, {result['threads']} torch thread(s), {result['machine']}; median of "
+        f"{sweep_info['reps']} repetition(s), bars min-max", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+# --- the report -------------------------------------------------------------------------------
 
 def markdown(result):
     seq, con = result["one_after_another"], result["concurrent"]
@@ -123,10 +263,15 @@ def markdown(result):
         "# Server benchmark (lesson 07)",
         "",
         f"Model: `{result['model']}`; {result['machine']}; server: {result['threads']} torch "
-        f"thread(s), max batch size {result['max_batch_size']}; {result['clients']} requests x "
-        f"{result['new_tokens']} new tokens (EOS ignored), streamed over HTTP on 127.0.0.1; "
-        f"{result['reps']} repetition(s), median; load average before the run "
-        f"{', '.join(f'{x:.1f}' for x in result['load_average'] or [])}.",
+        f"thread(s), max batch size {result['max_batch_size']}; run on {result['date']}; "
+        f"load average before the run "
+        f"{', '.join(f'{x:.1f}' for x in result['load_average'] or [])}, after it "
+        f"{', '.join(f'{x:.1f}' for x in result['load_average_after'] or [])}.",
+        "",
+        "## 16 requests: one after another versus all at once",
+        "",
+        f"{result['clients']} requests x {result['new_tokens']} new tokens (EOS ignored), "
+        f"streamed over HTTP on 127.0.0.1; {result['reps']} repetition(s), median.",
         "",
         "| run | wall time (s) | tokens | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) |",
         "|---|---|---|---|---|---|",
@@ -149,27 +294,93 @@ def markdown(result):
         f"{result['server_steps']['rows_max']} rows.",
         f"- same texts in both runs: {result['same_texts']}.",
         "",
-        "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
-                                for k, v in result["targets_met"].items()),
+    ]
+    lines += sweep_markdown(result)
+    lines += [
+        "Targets and checks: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
+                                           for k, v in result["targets_met"].items()),
         "",
     ]
     return "\n".join(lines)
 
 
-def metrics(url):
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
-            for line in text.splitlines() if line}
+def sweep_markdown(result):
+    info = result["sweep"]
+
+    def cell(figure, scale=1.0, digits=1):
+        middle, low, high = (figure[k] * scale for k in ("median", "min", "max"))
+        return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+    lines = [
+        "## Sweep over concurrency",
+        "",
+        f"Each level: that many streaming requests sent at once, each a course prompt with "
+        f"{info['new_tokens']} new tokens (EOS ignored), against the same server process; "
+        f"median over {info['reps']} repetition(s), (min-max) in brackets. Inter-token latency "
+        f"(ITL): the time between two consecutive events of one stream, as the client reads "
+        f"them, over every stream of the run. Every request opens its own connection, so TTFT "
+        f"includes connecting. Plot: [server.png](server.png).",
+        "",
+        "| clients | wall time (s) | tokens | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | "
+        "ITL p50 (ms) | ITL p95 (ms) | server steps, decode / prefill | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in info["levels"]:
+        lines.append(
+            f"| {row['clients']} | {cell(row['wall_seconds'], digits=2)} | {row['tokens']:.0f} | "
+            f"{cell(row['tokens_per_second'], digits=0)} | "
+            f"{cell(row['ttft_p50_seconds'], 1e3)} | {cell(row['ttft_p95_seconds'], 1e3)} | "
+            f"{cell(row['itl_p50_seconds'], 1e3)} | {cell(row['itl_p95_seconds'], 1e3)} | "
+            f"{row['server_decode_steps']['median']:.0f} / "
+            f"{row['server_prefill_steps']['median']:.0f} | {len(row['errors'])} |")
+    lines.append("")
+    first, last = info["levels"][0], info["levels"][-1]
+
+    def ratio(key):
+        below = first[key]["median"]
+        return last[key]["median"] / below if below else float("nan")
+
+    lines.append(
+        f"- {last['clients']} clients vs {first['clients']}: {ratio('tokens_per_second'):.1f}x "
+        f"the tokens/s; TTFT p50 {ratio('ttft_p50_seconds'):.1f}x, ITL p50 "
+        f"{ratio('itl_p50_seconds'):.1f}x. Largest batch the server ran: {info['rows_max']} "
+        f"rows.")
+    failures = [(row["clients"], e) for row in info["levels"] for e in row["errors"]]
+    if failures:
+        lines.append(f"- failed requests: {len(failures)}; first: {failures[0][1]} "
+                     f"({failures[0][0]} clients).")
+    lines.append("")
+    return lines
+
+
+def levels_argument(text):
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("the levels must be positive integers")
+    return levels
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 repetition instead of 3")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (after a warm-up)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repetition of each part instead of 3 (16-request runs) "
+                             "and 5 (sweep)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions of the 16-request runs (after a warm-up)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent requests (16)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--levels", type=levels_argument, default=list(SWEEP_LEVELS),
+                        help="concurrent clients of the sweep, comma-separated (1,4,16,64)")
+    parser.add_argument("--sweep-reps", type=int, default=None,
+                        help="repetitions of the sweep (after a warm-up)")
+    parser.add_argument("--sweep-new-tokens", type=int, default=64,
+                        help="new tokens per request in the sweep (64)")
     parser.add_argument("--max-batch-size", type=int, default=None,
-                        help="server slots (default: clients + 4, so that probes find a slot)")
+                        help="server slots (default: the largest number of clients + 4, so that "
+                             "probes find a slot and the largest level runs as one batch)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server "
                         "(default 1, as the other benchmarks: the bundled model is tiny)")
     parser.add_argument("--probes", type=int, default=10,
@@ -180,24 +391,29 @@ def main(argv=None):
                         help="output folder")
     args = parser.parse_args(argv)
     reps = args.reps or (1 if args.quick else 3)
-    if reps < 1 or args.clients < 1 or args.new_tokens < 1:
-        parser.error("--reps, --clients and --new-tokens must be at least 1")
+    sweep_reps = args.sweep_reps or (1 if args.quick else 5)
+    if min(reps, sweep_reps, args.clients, args.new_tokens, args.sweep_new_tokens) < 1:
+        parser.error("--reps, --sweep-reps, --clients, --new-tokens and --sweep-new-tokens "
+                     "must be at least 1")
     jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
-    max_batch_size = args.max_batch_size or args.clients + 4
+    most_clients = max(args.clients, *args.levels)
+    max_batch_size = args.max_batch_size or most_clients + 4
 
     import torch
     import transformers
 
+    started = time.perf_counter()
     result = {
         "model": args.model or "bundled", "reps": reps, "threads": args.threads,
         "clients": args.clients, "new_tokens": args.new_tokens, "max_batch_size": max_batch_size,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
     print("starting the server ...", flush=True)
     with serve_in_background(args.model, name="bench-server", threads=args.threads,
-                             max_batch_size=max_batch_size, max_queue=4 * args.clients,
+                             max_batch_size=max_batch_size, max_queue=4 * most_clients,
                              device=args.device) as url:
         asyncio.run(one_after_another(url, jobs[:2]))        # warm-up
         seq_runs, con_runs, ttft_idle, ttft_load, probes = [], [], [], [], []
@@ -219,6 +435,8 @@ def main(argv=None):
             if args.probes:
                 _, _, probe = asyncio.run(concurrently(url, jobs, probes=args.probes))
             probes += probe
+        sweep_table = sweep(url, args.levels, args.sweep_new_tokens, sweep_reps)
+        rows_max = int(metrics(url).get("rows_max", 0))
     rate = [tokens / seconds for tokens, seconds in seq_runs]
     con_rate = [tokens / seconds for tokens, seconds in con_runs]
     pick = statistics.median
@@ -234,16 +452,23 @@ def main(argv=None):
     result["ttft_seconds"] = {"idle": summary(ttft_idle), "under_load": summary(ttft_load),
                               "probe_under_load": summary(probes) if probes else
                               {"p50": float("nan"), "p95": float("nan"), "n": 0}}
-    result["server_steps"] = {
-        "decode": int(after.get("steps_decode", 0) - before.get("steps_decode", 0)),
-        "prefill": int(after.get("steps_prefill", 0) - before.get("steps_prefill", 0)),
-        "rows_max": int(after.get("rows_max", 0))}
+    result["server_steps"] = {**steps_between(before, after), "rows_max": int(after.get(
+        "rows_max", 0))}
     result["same_texts"] = texts_seq == texts_con
+    result["sweep"] = {"new_tokens": args.sweep_new_tokens, "reps": sweep_reps,
+                       "rows_max": rows_max, "levels": sweep_table}
     result["targets_met"] = {f"concurrent >= {TARGETS['speedup']}x tokens/s":
                              result["speedup"] >= TARGETS["speedup"],
-                             "same texts": result["same_texts"]}
+                             "same texts": result["same_texts"],
+                             "sweep requests all answered in full":
+                             not any(row["errors"] for row in sweep_table)}
+    result["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["benchmark_seconds"] = time.perf_counter() - started
 
+    plot(result, pathlib.Path(args.out) / "server.png")
     write_results(args.out, "bench_server", result, markdown(result))
+    print(f"plot: {pathlib.Path(args.out) / 'server.png'}; "
+          f"{result['benchmark_seconds']:.0f} s in all")
     return 0 if all(result["targets_met"].values()) else 1
 
 
