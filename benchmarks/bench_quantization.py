@@ -35,8 +35,8 @@ from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
 
-def decode_seconds(models: dict, tokenizer, tokens: int, repeats: int) -> dict[str, float]:
-    """Median seconds to generate ``tokens`` greedy tokens, for each model.
+def decode_seconds(models: dict, tokenizer, tokens: int, repeats: int) -> dict[str, dict]:
+    """Seconds to generate ``tokens`` greedy tokens, for each model: median, min and max.
 
     The models take turns (one run each per round, after a warm-up round), so that a change
     in the machine's load during the measurement hits all of them alike.
@@ -48,7 +48,8 @@ def decode_seconds(models: dict, tokenizer, tokens: int, repeats: int) -> dict[s
         for name, model in models.items():
             out = generate_with_cache(model, tokenizer, PROMPTS[0], tokens, stop_at_eos=False)
             runs[name].append(out.latency)
-    return {name: statistics.median(r[1:]) for name, r in runs.items()}
+    return {name: {"median": statistics.median(r[1:]), "min": min(r[1:]), "max": max(r[1:])}
+            for name, r in runs.items()}
 
 
 def continuations(model, tokenizer, tokens: int = 20) -> dict[str, str]:
@@ -63,7 +64,7 @@ def main():
     ap.add_argument("--docs", type=int, default=200, help="held-out documents for perplexity")
     ap.add_argument("--tokens", type=int, default=50, help="greedy tokens per timed run")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs (the median is kept)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1, as in the lessons)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,7 +103,7 @@ def main():
         start = time.perf_counter()
         restored = dequantize_model(qmodel, states)
         seconds = time.perf_counter() - start
-        speed_model = restored if bits == 8 and axis is None else None  # the others run alike
+        speed_model = restored if bits == 8 and axis != 0 else None  # the others run alike
         record(label, footprint(qmodel, states), restored, speed_model,
                {"dequantize_seconds": seconds, "axis": axis, "bits": bits})
 
@@ -127,8 +128,11 @@ def main():
     seconds = decode_seconds(timed, tokenizer, args.tokens, args.repeats)
     for row in rows:
         if row["variant"] in seconds:
-            row["decode_seconds"] = seconds[row["variant"]]
-            row["ms_per_token"] = 1000 * seconds[row["variant"]] / args.tokens
+            spread = seconds[row["variant"]]
+            row["decode_seconds"] = spread["median"]
+            row["decode_seconds_min_max"] = [spread["min"], spread["max"]]
+            row["ms_per_token"] = 1000 * spread["median"] / args.tokens
+            row["fp32_over_this"] = seconds["fp32"]["median"] / spread["median"]
 
     result = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -138,7 +142,34 @@ def main():
         "held_out_docs": args.docs, "decode_tokens": args.tokens, "repeats": args.repeats,
         "rows": rows,
     }
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot(result, pathlib.Path(args.out) / "quantization.png")
     write_results(args.out, "quantization", result, to_markdown(result))
+
+
+def plot(result, path) -> None:
+    """Footprint and perplexity of every variant, side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["variant"].replace(" (", "\n(") for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    left.barh(names, [r["bytes"] / 2**20 for r in rows], color="tab:blue")
+    left.set(xlabel="MiB (weights + quantization states)", title="Memory footprint")
+    right.barh(names, [r["perplexity"] for r in rows], color="tab:orange")
+    low = min(r["perplexity"] for r in rows)
+    right.set_xlim(low * 0.995, max(r["perplexity"] for r in rows) * 1.002)
+    right.set(xlabel=f"perplexity on {result['held_out_docs']} held-out documents "
+                     "(lower is better; axis cut)", title="Quality")
+    right.set_yticks([])
+    for ax in (left, right):
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def to_markdown(result) -> str:
@@ -151,12 +182,14 @@ def to_markdown(result) -> str:
         f"of {result['repeats']} runs of {result['decode_tokens']} greedy tokens with the KV cache "
         f"(the timed models take turns). Timings depend on the machine and its load.",
         "",
-        "| variant | bytes | ratio to fp32 | of which states | perplexity | decode s | ms/token |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | bytes | ratio to fp32 | of which states | perplexity | decode s (min-max) "
+        "| ms/token | speed vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        speed = (f"{r['decode_seconds']:.3f} | {r['ms_per_token']:.1f}" if "decode_seconds" in r
-                 else " | ")
+        low, high = r.get("decode_seconds_min_max", (0, 0))
+        speed = (f"{r['decode_seconds']:.3f} ({low:.3f}-{high:.3f}) | {r['ms_per_token']:.1f} | "
+                 f"{r['fp32_over_this']:.2f}x" if "decode_seconds" in r else " | | ")
         lines.append(f"| {r['variant']} | {r['bytes']:,} | {r['ratio_to_fp32']:.4f} | "
                      f"{r['bytes_states']:,} | {r['perplexity']:.4f} | {speed} |")
     lines += ["", "Hand-made rows: the bytes are those of the uint8 codes plus the states; the "
@@ -171,7 +204,7 @@ def to_markdown(result) -> str:
             lines.append(f"`{r['variant']}` quantized only {r['quantized_layers']}; lm_head still "
                          f"tied to the embedding: {r['lm_head_still_tied']}.")
             lines.append("")
-    lines += ["## Greedy continuations", ""]
+    lines += ["![Footprint and perplexity](quantization.png)", "", "## Greedy continuations", ""]
     for r in result["rows"]:
         if "text" in r:
             lines.append(f"**{r['variant']}**")
