@@ -53,7 +53,6 @@ from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
 T4_BANDWIDTH = 320e9  # bytes/s, NVIDIA's figure for the T4 (Colab's free GPU)
-TARGETS = {"cache_speedup_200": 5.0}  # lesson 01: the cache is >= 5x faster at 200 tokens
 
 
 def spread(values):
@@ -396,7 +395,7 @@ def markdown(result):
         "its matrices are so small that the fixed cost of each operation (Python, dispatch, "
         "the cache's bookkeeping) dominates. That is also why torch.compile and batching pay "
         "off so well for it.", "", "![Roofline](roofline.png)", ""]
-    lines += ["Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
+    lines += ["Checks: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
                                       for k, v in result["targets_met"].items()), ""]
     return "\n".join(lines)
 
@@ -441,9 +440,7 @@ def main(argv=None):
     batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
     result["roofline"] = bench_roofline({"bundled model": model, "GPT-2 small": gpt2_small},
                                         batches, args.context, reps, args.threads)
-    at_200 = [r for r in result["kv_cache"] if r["new_tokens"] == 200][0]
-    result["targets_met"] = {
-        "KV cache >= 5x no cache at 200 tokens": at_200["speedup"] >= TARGETS["cache_speedup_200"],
+    result["targets_met"] = {  # no speed targets here: the figures are the point
         "same tokens everywhere": all(r["same_tokens"] for r in result["kv_cache"])
         and all(r["same_tokens"] for r in result.get("compile", [])),
     }
