@@ -69,10 +69,7 @@ compat: $(STAMP_TF4) $(STAMP_COLAB)
 	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_batching.py
-	$(PY) benchmarks/bench_quantization.py
-	$(PY) benchmarks/bench_lora.py
-	$(PY) benchmarks/bench_server.py
+	$(PY) benchmarks/run_all.py
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat

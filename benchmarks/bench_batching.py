@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import platform
 import random
 import statistics
 import sys
@@ -46,7 +45,7 @@ from helpers import load_model  # noqa: E402
 from helpers.batching import (Trace, generate_batched, generate_continuous,  # noqa: E402
                               generate_static, ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
-from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
@@ -302,7 +301,7 @@ def main(argv=None):
     result = {
         "model": args.model or "bundled", "reps": reps, "threads": torch.get_num_threads(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+        "machine": machine(), "torch": torch.__version__,
         "transformers": transformers.__version__, "batch_size": BATCH_SIZE,
         "queue": [{"prompt": p, "max_tokens": m} for p, m in queue],
     }

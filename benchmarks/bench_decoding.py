@@ -34,7 +34,6 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import transformers  # noqa: E402
 
 from helpers.generation import generate_no_cache, generate_with_cache, kv_cache_bytes_for  # noqa: E402
 from helpers.models import load_model  # noqa: E402
-from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
@@ -331,7 +330,7 @@ def markdown(result):
     m = result["machine"]
     lines = [
         "# Decoding: KV cache, torch.compile, roofline", "",
-        f"{result['date']}, {m['cpu']}, {m['cpus']} CPUs, {m['threads']} torch thread(s), "
+        f"{result['date']}, {m['cpu']}, {m['threads']} torch thread(s), "
         f"torch {m['torch']}, transformers {m['transformers']}; load average before the run "
         f"{', '.join(f'{x:.1f}' for x in m['load_average'])}. Medians over "
         f"{result['args']['reps']} repetitions (min-max beside them).", "",
@@ -423,7 +422,7 @@ def main(argv=None):
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": dict(vars(args), reps=reps),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "machine": {"cpu": machine(), "cpus": os.cpu_count(),
                     "threads": args.threads, "torch": torch.__version__,
                     "transformers": transformers.__version__,
                     "load_average": list(os.getloadavg())},

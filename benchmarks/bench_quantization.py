@@ -17,7 +17,6 @@ import argparse
 import copy
 import datetime
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 from helpers.quantization import (dequantize_model, footprint, import_torchao,  # noqa: E402
                                   perplexity, quantize_model, quiet_stderr,
                                   torchao_int8_weight_only)
-from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
@@ -66,7 +65,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=5, help="timed runs (the median is kept)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1, as in the lessons)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true", help="20 documents, 2 timed runs: a smoke test")
     args = ap.parse_args()
+    if args.quick:
+        args.docs, args.repeats = 20, 2
+    if min(args.docs, args.tokens, args.repeats, args.threads) < 1:
+        ap.error("--docs, --tokens, --repeats and --threads must be at least 1")
     torch.set_num_threads(args.threads)
 
     try:
@@ -136,7 +140,7 @@ def main():
 
     result = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, torch threads: {torch.get_num_threads()}",
+        "machine": f"{machine()}, torch threads: {torch.get_num_threads()}",
         "torch": torch.__version__, "torchao": getattr(torchao, "__version__", None),
         "parameters": sum(p.numel() for p in model.parameters()),
         "held_out_docs": args.docs, "decode_tokens": args.tokens, "repeats": args.repeats,

@@ -12,3 +12,19 @@ def write_results(folder, name: str, result: dict, markdown: str) -> None:
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def machine() -> str:
+    """The CPU's model name and core count, e.g. "AMD EPYC (x86_64), 2 cores"."""
+    import os
+    import platform
+
+    name = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:  # not Linux
+        pass
+    return f"{name or 'unknown CPU'} ({platform.machine()}), {os.cpu_count()} cores"
