@@ -134,10 +134,16 @@ def headline_rows(out: pathlib.Path) -> list[tuple[str, str, str, str]]:
                 ">= 2x", real["peft_over_ours_total_s"] >= 2)
             add("  ceiling of that ratio: peft / base model with no adapters",
                 _x(real["peft_over_base_total_s"]))
-        for cell in lora.get("real_grid", {}).get("cells", []):
+        grid = lora.get("real_grid", {})
+        for cell in grid.get("cells", []):
             if cell["batch"] == 32 and cell["distinct"] in (4, 32):
-                add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct random "
-                    "adapters", _x(cell["peft_over_ours"]))
+                add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct of "
+                    f"{grid['adapters']} loaded random adapters (time ratio)",
+                    _x(cell["peft_over_ours"]))
+        for cell in grid.get("few_loaded", []):
+            if cell["batch"] == 32:
+                add(f"the same with only those {cell['peft_adapters_loaded']} adapters loaded in "
+                    "peft", _x(cell["peft_over_ours"]))
     server = _load(out, "bench_server")
     if server:
         add(f"server: {server['clients']} concurrent streams vs one after another (tokens/s)",
