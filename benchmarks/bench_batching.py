@@ -45,7 +45,8 @@ from helpers import load_model  # noqa: E402
 from helpers.batching import (Trace, generate_batched, generate_continuous,  # noqa: E402
                               generate_static, ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
-from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path: results_io is the folder's shared module)
+from results_io import machine, pyplot, save_figure, spread, write_results  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
@@ -58,11 +59,6 @@ def course_queue(n=32, every=8, long=100, short=10):
     """The lesson-03 queue: every ``every``-th request wants ``long`` tokens, the rest ``short``."""
     return [(PROMPTS[i % len(PROMPTS)], long if i % every == 0 else short) for i in range(n)]
 
-
-def spread(values):
-    """Median, min and max of a list of timings, in seconds."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": [round(v, 4) for v in values]}
 
 
 def long_tailed_queue(n=128, seed=0, scale=8, alpha=1.5, cap=200):
@@ -165,9 +161,7 @@ def run_generate_batch(model, tokenizer, queue, reps, stop_at_eos=True, batch_si
 def plot(result, path):
     """Wall time per driver (left) and decode steps against their bounds (right), for the
     course queue and the long-tailed one."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     # (generate_batch ran on the course queue with the EOS rule: not the same work as the
     # bars beside it, so it is drawn for the long-tailed queue only.)
@@ -198,9 +192,7 @@ def plot(result, path):
     right.set(ylabel="decode steps", title="Decode steps (dashed: the bound of each schedule)")
     for ax in (left, right):
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown(result):

@@ -47,17 +47,13 @@ import transformers  # noqa: E402
 
 from helpers.generation import generate_no_cache, generate_with_cache, kv_cache_bytes_for  # noqa: E402
 from helpers.models import load_model  # noqa: E402
-from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path: results_io is the folder's shared module)
+from results_io import machine, pyplot, save_figure, spread, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
 T4_BANDWIDTH = 320e9  # bytes/s, NVIDIA's figure for the T4 (Colab's free GPU)
 
-
-def spread(values):
-    """Median, min and max of a list of timings (seconds), and the runs themselves."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": [round(v, 5) for v in values]}
 
 
 # --- 1. KV cache versus no cache ------------------------------------------------------------
@@ -272,9 +268,7 @@ def bench_roofline(models, batches, context, reps, threads):
 # --- plots and table ----------------------------------------------------------------------
 
 def plot_kv(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = [r["new_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -291,15 +285,11 @@ def plot_kv(rows, path):
            title="Greedy decoding of one sequence, bundled model")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_roofline(roof, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(roof["models"])
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
@@ -321,9 +311,7 @@ def plot_roofline(roof, path):
         ax.set_xticks(x, [str(b) for b in x])
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown(result):

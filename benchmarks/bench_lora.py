@@ -59,7 +59,8 @@ from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel,  # noqa: 
                           linear_lora_gathered, linear_lora_loop, load_adapters,
                           random_adapters, shipped_adapters)
 from helpers.models import load_model  # noqa: E402
-from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path: results_io is the folder's shared module)
+from results_io import machine, pyplot, save_figure, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 #: The model of parts 3 and 4 (the shipped adapters and GPT-2's layer names need it).
@@ -476,9 +477,7 @@ def subtitle(result) -> str:
 def plot_toy(result, path: pathlib.Path) -> None:
     """lora_toy.png: the toy model's times against the batch size (left), and loop / gathered
     over the grid, one line per number of distinct adapters (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     toy, grid = result["toy"], result["toy_grid"]
     batches = [r["batch"] for r in toy]
@@ -506,16 +505,12 @@ def plot_toy(result, path: pathlib.Path) -> None:
         axis.legend(fontsize=8)
     fig.suptitle(f"Toy model (hidden 1024, rank {result['args']['rank']}): one adapter per "
                  f"row, a loop versus a gathered product\n{subtitle(result)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_grid(result, path: pathlib.Path) -> None:
     """lora_grid.png: peft / ours for one decoding step, a heatmap over batch x adapters."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     grid = result["real_grid"]
@@ -543,9 +538,7 @@ def plot_grid(result, path: pathlib.Path) -> None:
                    f"adapters (r={grid['rank']}) loaded:\ntime of peft (adapter_names=) / time "
                    f"of ours (MultiLora)\n"
                    f"{subtitle(result)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # --- markdown ------------------------------------------------------------------------------
@@ -747,17 +740,6 @@ def parse_args(argv=None):
     return args
 
 
-def cpu_name() -> str:
-    """The processor's model name (Linux), else what ``platform`` knows."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import peft
@@ -771,7 +753,7 @@ def main(argv=None) -> int:
               "args": {**vars(args), "out": str(args.out)}, "repeats": args.repeats,
               "machine": {"device": (torch.cuda.get_device_name() if args.device == "cuda"
                                      else f"{platform.machine()} CPU"),
-                          "cpu": cpu_name(), "cores": os.cpu_count(),
+                          "cpu": machine(), "cores": os.cpu_count(),
                           "load_average": ", ".join(f"{x:.1f}" for x in load) if load else "n/a",
                           "threads": args.threads, "torch": torch.__version__,
                           "transformers": transformers.__version__, "peft": peft.__version__}}

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from helpers.quantization import (dequantize_model, footprint, import_torchao,  # noqa: E402
                                   perplexity, quantize_model, quiet_stderr,
                                   torchao_int8_weight_only)
-from results_io import machine, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path: results_io is the folder's shared module)
+from results_io import machine, pyplot, save_figure, write_results  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
@@ -153,9 +154,7 @@ def main():
 
 def plot(result, path) -> None:
     """Footprint and perplexity of every variant, side by side."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     names = [r["variant"].replace(" (", "\n(") for r in rows]
@@ -171,9 +170,7 @@ def plot(result, path) -> None:
     for ax in (left, right):
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def to_markdown(result) -> str:

@@ -59,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from helpers.server import serve_in_background  # noqa: E402
-from results_io import write_results  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path: results_io is the folder's shared module)
+from results_io import spread, write_results  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
@@ -81,12 +82,6 @@ def summary(values):
     return {"p50": percentile(values, 50), "p95": percentile(values, 95), "min": min(values),
             "max": max(values), "n": len(values)}
 
-
-def spread(values):
-    """Median and range of one figure over the repetitions."""
-    values = list(values)
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": values}
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int) -> dict:

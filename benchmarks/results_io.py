@@ -3,6 +3,7 @@
 
 import json
 import pathlib
+import statistics
 
 
 def write_results(folder, name: str, result: dict, markdown: str) -> None:
@@ -28,3 +29,25 @@ def machine() -> str:
     except OSError:  # not Linux
         pass
     return f"{name or 'unknown CPU'} ({platform.machine()}), {os.cpu_count()} cores"
+
+
+def spread(values) -> dict:
+    """Median, min and max of one figure over the repetitions, and the runs themselves."""
+    values = list(values)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": [round(v, 6) for v in values]}
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: figures go to files, no window opens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path, dpi: int = 110) -> None:
+    """Lay ``fig`` out, write it as a PNG to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
