@@ -28,11 +28,10 @@ and the output layer (lm_head, tied to wte), with rank 32 there, and trains long
 The names are the hard part. Inside JSON quotes a name is written without a space before it,
 and byte-level BPE makes "Tom" and " Tom" two unrelated tokens; the bundled model saw the bare
 ones too rarely to treat them as the same name, so an adapter started the usual way (B = 0)
-learns to guess a name instead of copying it. So the entities adapter's wte and lm_head LoRA
-start with each bare name reading and writing like its spaced twin (``start_names_as_spaced``),
-and training takes it from there: it then copies the names, the place and the object. (The
-animals after the names, "Tom the fox", it still mostly guesses: copying them needs the model
-to match two tokens, "Tom the", which it does not learn here.)
+learns to guess a name instead of copying it. So 16 of the 32 ranks of the entities adapter's
+wte and lm_head LoRA start with each bare name reading and writing like its spaced twin
+(``start_names_as_spaced``); the other 16 start as peft starts them. Training takes it from
+there, and on sentences it never saw it then gets every name, animal, place and object right.
 
 Dropout is off while training (the model is in eval mode): runs this short do not overfit.
 
@@ -172,7 +171,8 @@ def start_names_as_spaced(model, tokenizer) -> int:
     (" Tom", as in the sentence). Byte-level BPE makes them two unrelated tokens, and the
     bundled model saw the bare ones too rarely to learn that they are the same names; with
     them alike from the start, copying a name from the sentence is something training can
-    find. Returns how many names were paired. (The rest of A and B keeps peft's start.)"""
+    find. Returns how many names were paired. (The other ranks keep peft's start, so that
+    training can use them too.)"""
     pairs = spaced_name_pairs(tokenizer)
     base = model.get_base_model()
     table = base.transformer.wte.base_layer.weight
@@ -183,7 +183,6 @@ def start_names_as_spaced(model, tokenizer) -> int:
     a_emb, b_emb = wte.lora_embedding_A["default"], wte.lora_embedding_B["default"]
     a_head, b_head = head.lora_A["default"].weight, head.lora_B["default"].weight
     scale_emb, scale_head = wte.scaling["default"], head.scaling["default"]
-    a_emb.zero_(), b_emb.zero_(), a_head.zero_(), b_head.zero_()
     for k, (bare, spaced) in enumerate(pairs):
         delta = table[spaced] - table[bare]
         a_emb[k, bare] = 1.0                      # embedding: row "Tom" += delta
@@ -238,6 +237,11 @@ def train_one(task, args, tokenizer):
     # save_embedding_layers=False: only LoRA's A and B, not a copy of the adapted embedding
     model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
     (folder / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
+    # peft records the base model's absolute path; keep the one that holds in every clone.
+    config_path = folder / "adapter_config.json"
+    saved = json.loads(config_path.read_text())
+    saved["base_model_name_or_path"] = str(BUNDLED_MODEL_DIR.relative_to(ROOT))
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
     check = held_out_check(model, tokenizer, task, args.eval, {s for s, _ in pairs})
     demo = greedy_answers(model, tokenizer, [DEMO_SENTENCE])[0]
@@ -307,13 +311,14 @@ def write_readme(base_demo):
         "adapters answer in words the model already knows.", "",
         "What they get right, and what not: every adapter has learnt its format (the entities "
         "answers parse as JSON) and copies the sentence's object (\"a red ball\"). The "
-        "entities adapter also copies the names and the place: its embedding and output-layer "
-        "LoRA start with each name written without a space (\"Tom\", as inside JSON quotes) "
-        "alike to the same name after a space (\" Tom\", as in the sentence), two tokens that "
-        "byte-level BPE keeps apart and the bundled model never learnt to connect. The animals "
-        "after the names it mostly guesses (copying them means matching two tokens, \"Tom "
-        "the\"), and so do the other adapters with the names, hence the low exact-match "
-        "rates."]
+        "entities adapter gets every part of its answers right on sentences it never saw, "
+        "thanks to how it starts: half of its embedding and output-layer LoRA makes each name "
+        "written without a space (\"Tom\", as inside JSON quotes) read and write like the "
+        "same name after a space (\" Tom\", as in the sentence), two tokens that byte-level "
+        "BPE keeps apart and the bundled model never learnt to connect. Started the usual way "
+        "(B = 0) it learnt the format and the object and guessed every name. The other "
+        "adapters answer freely and still mostly guess the names and animals, hence their low "
+        "exact-match rates."]
     lines += [
         "", f"Training times were measured on {machine} (CPU), with other jobs sharing the "
         "cores (CPU seconds are in each training_log.json); final loss is the mean "
