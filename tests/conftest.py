@@ -25,17 +25,24 @@ def bundled():
     return load_model(device="cpu")
 
 
+def random_llama(tokenizer, hidden: int = 64, layers: int = 2, positions: int = 256):
+    """A random Llama-style model for ``tokenizer`` (rotary positions, 4 attention heads sharing
+    2 kv heads, MLP twice as wide), in eval mode. Seed torch first for the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,
+                         intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=positions, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A tiny random Llama-style model (rotary positions, 4 heads sharing 2 kv heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from helpers import load_tokenizer
 
     tokenizer = load_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    return LlamaForCausalLM(config).eval(), tokenizer
+    return random_llama(tokenizer), tokenizer

@@ -21,7 +21,7 @@ from helpers import (BUNDLED_MODEL_DIR, Batch, Trace, cache_from_layers, cache_l
                      transformers_generate_batch)
 from helpers.corpus import corpus
 
-from .conftest import COURSE_PROMPTS
+from .conftest import COURSE_PROMPTS, random_llama
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 HAVE_BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").exists()
@@ -70,14 +70,8 @@ def tiny_gpt2(tokenizer):
 @pytest.fixture(scope="module")
 def tiny_gqa_llama(tokenizer):
     """A 2-layer random Llama: rotary positions, 4 attention heads sharing 2 kv heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(2)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    return _with_eos_bias(LlamaForCausalLM(config).eval(), tokenizer, 0.25), tokenizer
+    return _with_eos_bias(random_llama(tokenizer, positions=128), tokenizer, 0.25), tokenizer
 
 
 MODELS = ["tiny-gpt2", "tiny-gqa-llama",

@@ -12,6 +12,8 @@ from helpers.lora import (NO_ADAPTER, TOY_COLOURS, LoraLayer, MultiLora, MultiLo
                           ToyModel, ToyMultiLoraModel, linear_lora_gathered, linear_lora_loop,
                           load_adapters, random_adapters, shipped_adapters)
 
+from .conftest import random_llama
+
 
 # --- the toy model and the two linear_lora versions ---------------------------------------
 
@@ -221,17 +223,11 @@ def test_multi_lora_errors(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="'wrong_rank'.*rank mismatch.*r=2"):
         lora.add("wrong_rank", wrong_rank)
 
-    from transformers import LlamaConfig, LlamaForCausalLM  # the same layers, wider
-
-    wide = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32,
-                                        intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2))
+    wide = random_llama(tokenizer, hidden=32)  # the same layers, narrower
     other = _save_random_adapter(wide, tmp_path / "other", 4, ["q_proj"], seed=2)
     with pytest.raises(ValueError, match="'other'.*shape mismatch.*q_proj"):
         lora.add("other", other)
-    deep = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64,
-                                        intermediate_size=128, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2))
+    deep = random_llama(tokenizer, layers=3)  # one layer more
     deeper = _save_random_adapter(deep, tmp_path / "deeper", 4, ["q_proj"], seed=3)
     with pytest.raises(ValueError, match="'deeper' adapts 'model.layers.2.self_attn.q_proj'"):
         lora.add("deeper", deeper)
