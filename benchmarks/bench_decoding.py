@@ -191,20 +191,18 @@ def matmul_flops(size: int = 1024, reps: int = 10) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
-def weight_bytes(model, bytes_per_value: int) -> int:
-    """Bytes of weights one decode step reads: every parameter once, except the position
-    table (one row per token). GPT-2's token table is read whole by its tied output layer."""
-    count = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
-    return count * bytes_per_value
+def weights_read(model) -> int:
+    """Weights one decode step reads: every parameter once, except the position table (one
+    row per token). GPT-2's token table is read whole by its tied output layer."""
+    return sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
 
 
 def step_flops(model, batch: int, context: int) -> int:
     """Floating-point operations of one decode step: 2 per weight per row (multiply, add),
     plus attention over the context (scores and weighted sum: 4 × context × width per layer)."""
     config = model.config
-    weights = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     attention = 4 * context * config.n_embd * config.n_layer
-    return batch * (2 * weights + attention)
+    return batch * (2 * weights_read(model) + attention)
 
 
 @torch.no_grad()
@@ -244,8 +242,8 @@ def bench_roofline(models, batches, context, reps, threads):
     for name, model in models.items():
         rows = []
         for batch in batches:
-            fp32 = weight_bytes(model, 4) + kv_cache_bytes_for(model.config, context, batch, 4)
-            fp16 = weight_bytes(model, 2) + kv_cache_bytes_for(model.config, context, batch, 2)
+            fp32 = 4 * weights_read(model) + kv_cache_bytes_for(model.config, context, batch, 4)
+            fp16 = 2 * weights_read(model) + kv_cache_bytes_for(model.config, context, batch, 2)
             seconds = measured_decode(model, batch, context, reps)
             row = {"batch": batch, "bytes_fp32": fp32, "bytes_fp16": fp16,
                    "cpu_bandwidth_bound_tok_s": batch * bandwidth / fp32,

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from helpers.batching import position_ids_from_mask  # noqa: E402
 from helpers.corpus import task_examples, task_prompt  # noqa: E402
 from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel,  # noqa: E402
                           linear_lora_gathered, linear_lora_loop, load_adapters,
@@ -336,7 +337,7 @@ def grid_cell(models: dict, lora, tokenizer, names: list[str], batch: int, disti
     prompt_length = inputs.input_ids.shape[1]
     # Left padding: a row's positions count its real tokens only (0, 1, 2 ... after the pads).
     prefill = dict(input_ids=inputs.input_ids, attention_mask=mask,
-                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+                   position_ids=position_ids_from_mask(mask), use_cache=True)
     lora.set_rows(rows)
     prefilled = {"base": models["base"](**prefill),
                  "ours": models["ours"](**prefill),
@@ -370,7 +371,7 @@ def grid_cell(models: dict, lora, tokenizer, names: list[str], batch: int, disti
     # The same step without a cache, from the whole sequence: checks masks and positions.
     whole = torch.cat([inputs.input_ids, next_ids], 1)
     full = models["ours"](input_ids=whole, attention_mask=step["attention_mask"],
-                          position_ids=(step["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+                          position_ids=position_ids_from_mask(step["attention_mask"]))
 
     times = time_interleaved({"base": (prepare("base"), run("base")),
                               "ours": (prepare("ours"), run("ours")),
