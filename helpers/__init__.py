@@ -44,6 +44,7 @@ from .lora import (
     MultiLora,
     MultiLoraLayer,
     ToyModel,
+    adapter_mismatch,
     ToyMultiLoraModel,
     linear_lora_gathered,
     linear_lora_loop,
@@ -97,7 +98,7 @@ __all__ = [
     "torchao_int8_weight_only",
     # lessons 05-06: LoRA
     "ADAPTERS_DIR", "NO_ADAPTER", "TOY_COLOURS", "LoraLayer", "MultiLora", "MultiLoraLayer",
-    "ToyModel", "ToyMultiLoraModel", "linear_lora_gathered", "linear_lora_loop",
+    "ToyModel", "ToyMultiLoraModel", "adapter_mismatch", "linear_lora_gathered", "linear_lora_loop",
     "load_adapters", "random_adapters", "shipped_adapters",
     # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
     "BackgroundServer", "serve_in_background",

@@ -387,6 +387,32 @@ def _read_adapter(folder: Path, name: str) -> tuple[dict, dict[str, tuple]]:
     return config, weights
 
 
+def _mismatch(model: nn.Module, name: str, weights: dict[str, tuple]) -> str | None:
+    """Why the adapter ``name`` (its weights as read by ``_read_adapter``) cannot go into
+    ``model``, or None when every adapted layer exists with the adapter's shapes."""
+    modules = dict(model.named_modules())
+    for path, (a, b, _) in weights.items():
+        base = modules.get(path)
+        if base is None:
+            return f"adapter {name!r} adapts {path!r}, which this model lacks"
+        if isinstance(base, MultiLoraLayer):
+            base = base.base
+        in_features, out_features = _in_out_features(base, embedding=True)
+        if (a.shape[0], b.shape[1]) != (in_features, out_features):
+            return (f"adapter {name!r}: shape mismatch in {path!r}: the layer maps "
+                    f"{in_features} -> {out_features}, the adapter {a.shape[0]} -> {b.shape[1]}")
+    return None
+
+
+def adapter_mismatch(model: nn.Module, adapter: str | os.PathLike) -> str | None:
+    """Why ``adapter`` (a shipped adapter's name or a peft folder) does not fit ``model``, in one
+    sentence, or None when it fits. The shipped adapters were trained for the bundled model;
+    lessons 05-07 call this to say what changes when ``$COURSE_MODEL`` names another model.
+    (Lesson 05.)"""
+    name, folder = _adapter_folder(adapter)
+    return _mismatch(model, name, _read_adapter(folder, name)[1])
+
+
 def _adapter_folder(item: str | os.PathLike) -> tuple[str, Path]:
     """(name, folder) for a shipped adapter's name or for a folder path."""
     path = Path(item)
@@ -445,20 +471,13 @@ class MultiLora:
             raise ValueError(f"an adapter named {name!r} is already loaded")
         config, weights = _read_adapter(Path(folder), name)
         modules = dict(self.model.named_modules())
-        for path, (a, b, _) in weights.items():  # check everything before changing anything
-            base = modules.get(path)
-            if base is None:
-                raise ValueError(f"adapter {name!r} adapts {path!r}, which this model lacks")
-            if isinstance(base, MultiLoraLayer) and path not in self.layers:
+        for path in weights:  # check everything before changing anything
+            if isinstance(modules.get(path), MultiLoraLayer) and path not in self.layers:
                 raise ValueError(f"{path!r} already carries adapters from another MultiLora; "
                                  f"call its remove() first")
-            if isinstance(base, MultiLoraLayer):
-                base = base.base
-            in_features, out_features = _in_out_features(base, embedding=True)
-            if (a.shape[0], b.shape[1]) != (in_features, out_features):
-                raise ValueError(f"adapter {name!r}: shape mismatch in {path!r}: the layer maps "
-                                 f"{in_features} -> {out_features}, the adapter "
-                                 f"{a.shape[0]} -> {b.shape[1]}")
+        problem = _mismatch(self.model, name, weights)
+        if problem:
+            raise ValueError(problem)
         for path in weights:
             if path not in self.layers:
                 self._wrap(path, modules[path])

@@ -401,3 +401,16 @@ def test_rows_can_change_between_steps(tiny_llama, tmp_path):
         full_positions = (mask.cumsum(-1) - 1).clamp(min=0)
         full = model(input_ids=ids, attention_mask=mask, position_ids=full_positions).logits[:, -1]
     torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_mismatch_names_the_layer_that_does_not_fit(shipped, tiny_llama):
+    """The shipped adapters fit the bundled model; on another model the reason names a layer."""
+    from helpers import adapter_mismatch, load_model
+
+    model, _ = load_model(device="cpu")
+    assert all(adapter_mismatch(model, name) is None for name in ("entities", "rhymes"))
+    other, _ = tiny_llama
+    reason = adapter_mismatch(other, "entities")
+    assert reason is not None and "'entities'" in reason and "lacks" in reason
+    with pytest.raises(ValueError, match="unknown adapter"):
+        adapter_mismatch(model, "no-such-adapter")
