@@ -411,6 +411,7 @@ def test_adapter_mismatch_names_the_layer_that_does_not_fit(shipped, tiny_llama)
     assert all(adapter_mismatch(model, name) is None for name in ("entities", "rhymes"))
     other, _ = tiny_llama
     reason = adapter_mismatch(other, "entities")
-    assert reason is not None and "'entities'" in reason and "lacks" in reason
+    assert reason is not None and "'entities'" in reason
+    assert "lacks" in reason or "shape mismatch" in reason
     with pytest.raises(ValueError, match="unknown adapter"):
         adapter_mismatch(model, "no-such-adapter")
