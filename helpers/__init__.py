@@ -21,7 +21,6 @@ from .batching import (
     left_pad,
     merge_batches,
     model_context,
-    plot_timeline,
     position_ids_from_mask,
     static_decode_steps,
     transformers_generate_batch,
@@ -77,6 +76,7 @@ from .quantization import (
     quiet_stderr,
     torchao_int8_weight_only,
 )
+from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
 from .server import BackgroundServer, serve_in_background
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
@@ -90,7 +90,7 @@ __all__ = [
     "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
     "generate_static", "ideal_decode_steps", "init_batch", "left_pad", "merge_batches",
     "model_context", "plot_timeline", "position_ids_from_mask", "static_decode_steps",
-    "transformers_generate_batch",
+    "transformers_generate_batch", "durations_figure", "finish_times", "timelines_figure",
     # lesson 04: quantization
     "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",

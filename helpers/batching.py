@@ -1,7 +1,10 @@
 """Many requests at once: padding, batched generation, static and continuous batching.
 
 Introduced in lesson 02 (padding, attention mask, position ids, batched greedy generation) and
-lesson 03 (static versus continuous batching).
+lesson 03 (static versus continuous batching). Lesson 03 writes ``init_batch``,
+``generate_next_token``, ``merge_batches`` and ``filter_batch`` in its own cells, step by step,
+and checks that they give the very tokens of the versions here, which add only checks of their
+input (a ValueError that says what is wrong).
 
 The life of a batch, in the order the lessons build it:
 
@@ -24,7 +27,8 @@ uses all four: whenever a row finishes, a request from the queue takes its slot.
 Every driver returns the same strings as ``generate_sequential`` (one request at a time):
 batching changes how fast answers come, never what they are. Pass ``trace=Trace()`` to any
 driver to record what happened at every step (which request sat in which slot, how long the
-step took), e.g. to draw the timeline of lesson 03 with ``plot_timeline``.
+step took), e.g. to draw the timeline of lesson 03 with ``helpers.plots.plot_timeline``
+(this module draws nothing and never imports matplotlib).
 
 The KV cache is the transformers ``DynamicCache``. We never use its removed tuple API
 (transformers 5): we read ``cache.layers[i].keys`` / ``.values`` (shape: batch, kv_heads,
@@ -79,7 +83,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    """Requests being generated together, one row each. (Lesson 03.)
+    """Requests being generated together, one row each. (Lesson 03; it stays imported there:
+    a plain record of per-row lists and the tensors the model reads.)
 
     ``input_ids`` is what the next ``generate_next_token`` feeds the model: the padded prompts
     before the prefill, then one token per row. ``attention_mask`` covers everything the model
@@ -112,7 +117,8 @@ class Batch:
 
 
 def init_batch(tokenizer, requests: list[Request], request_ids: list[int] | None = None) -> Batch:
-    """Tokenize the prompts of ``requests`` and pad them on the left into a new batch. (Lesson 03.)
+    """Tokenize the prompts of ``requests`` and pad them on the left into a new batch.
+    (Lesson 03 writes this function in a cell of its own.)
 
     ``requests`` is a list of ``(prompt, max_tokens)``. ``request_ids`` (default 0, 1, ...)
     travel with the rows, so answers can be put back in queue order whatever happens to the
@@ -143,7 +149,8 @@ def init_batch(tokenizer, requests: list[Request], request_ids: list[int] | None
 
 @torch.no_grad()
 def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True) -> Batch:
-    """Run the model once and add one greedy token to every running row. (Lesson 03.)
+    """Run the model once and add one greedy token to every running row.
+    (Lesson 03 writes this function in a cell of its own.)
 
     On a new batch this reads the whole prompts (prefill); afterwards it feeds one token per
     row (decode). A row is done once it has ``max_tokens`` tokens, or when the model picks the
@@ -189,7 +196,8 @@ def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True
 # --- lesson 03: merging and filtering batches ----------------------------------------------
 
 def merge_batches(batch1: Batch, batch2: Batch) -> Batch:
-    """One batch holding the rows of ``batch1`` then those of ``batch2``. (Lesson 03.)
+    """One batch holding the rows of ``batch1`` then those of ``batch2``.
+    (Lesson 03 writes this function in a cell of its own.)
 
     Both must have read their prompts already (``generate_next_token`` ran on them). Their
     histories usually differ in length: the shorter one is padded on the LEFT, with 0 in its
@@ -221,7 +229,8 @@ def merge_batches(batch1: Batch, batch2: Batch) -> Batch:
 
 
 def filter_batch(batch: Batch) -> Batch:
-    """The batch without its finished rows, and without the padding they all share. (Lesson 03.)
+    """The batch without its finished rows, and without the padding they all share.
+    (Lesson 03 writes this function in a cell of its own.)
 
     After rows leave, the columns on the left may be padding in every remaining row: they are
     cut from the attention mask and from every layer's keys and values. Returns a new batch
@@ -342,47 +351,6 @@ class Trace:
         return used / total if total else float("nan")
 
 
-def plot_timeline(trace: Trace, ax=None, title: str | None = None):
-    """Draw which request sat in which slot at every decode step. (Lesson 03.)
-
-    One row of the picture per slot, one column per decode step; a coloured cell is a slot
-    serving a request (the colour and the label say which), a white cell an empty slot.
-    Returns the matplotlib Figure (a new one unless ``ax`` is given).
-    """
-    from matplotlib.colors import ListedColormap
-    from matplotlib.figure import Figure
-
-    table = trace.occupancy("decode")
-    n_slots = max([len(slots) for slots in table] + [trace.batch_size, 1])
-    grid = torch.full((n_slots, max(len(table), 1)), float("nan"))
-    for step, slots in enumerate(table):
-        for slot, rid in enumerate(slots):
-            if rid is not None:
-                grid[slot, step] = rid
-    if ax is None:
-        fig = Figure(figsize=(8, 0.35 * n_slots + 1.2), dpi=90, layout="constrained")
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
-    colours = ListedColormap(["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9"])
-    ax.imshow((grid % 6).numpy(), aspect="auto", interpolation="nearest", cmap=colours,
-              vmin=0, vmax=5, extent=(0, grid.shape[1], n_slots - 0.5, -0.5))
-    # Label each request once, where its stay in a slot begins.
-    for slot in range(n_slots):
-        previous = None
-        for step, slots in enumerate(table):
-            rid = slots[slot] if slot < len(slots) else None
-            if rid is not None and rid != previous:
-                ax.text(step + 0.3, slot, str(rid), va="center", fontsize=7, color="white")
-            previous = rid
-    ax.set_yticks(range(n_slots))
-    ax.set_xlabel("decode step")
-    ax.set_ylabel("slot")
-    ax.set_title(title if title is not None else
-                 f"{trace.driver}: {len(table)} decode steps, {trace.utilization():.0%} of slots busy")
-    return fig
-
-
 # --- the drivers ---------------------------------------------------------------------------
 
 def generate_sequential(model, tokenizer, requests: list[Request], *, stop_at_eos: bool = True,
@@ -395,13 +363,14 @@ def generate_sequential(model, tokenizer, requests: list[Request], *, stop_at_eo
     """
     _check_requests(requests, tokenizer, model)
     trace = _start_trace(trace, "sequential", 1, len(requests))
+    _synchronize(model.device)
     start = time.perf_counter()
     for rid, request in enumerate(requests):
         batch = init_batch(tokenizer, [request], request_ids=[rid])
         while not batch.done[0]:
             _step(model, tokenizer, batch, stop_at_eos, trace, slots=[rid])
         trace.token_ids[rid] = batch.token_ids[0]
-    return _finish(trace, start, tokenizer)
+    return _finish(trace, start, tokenizer, model.device)
 
 
 def generate_static(model, tokenizer, requests: list[Request], batch_size: int = 8,
@@ -417,6 +386,7 @@ def generate_static(model, tokenizer, requests: list[Request], batch_size: int =
     _check_requests(requests, tokenizer, model)
     _check_batch_size(batch_size)
     trace = _start_trace(trace, "static", batch_size, len(requests))
+    _synchronize(model.device)
     start = time.perf_counter()
     with _progress(progress, len(requests), "static batching") as bar:
         for first in range(0, len(requests), batch_size):
@@ -430,7 +400,7 @@ def generate_static(model, tokenizer, requests: list[Request], batch_size: int =
                 bar.update(sum(batch.done) - finished_before)
             for rid, tokens in zip(batch.request_ids, batch.token_ids):
                 trace.token_ids[rid] = tokens
-    return _finish(trace, start, tokenizer)
+    return _finish(trace, start, tokenizer, model.device)
 
 
 def generate_continuous(model, tokenizer, requests: list[Request], batch_size: int = 8,
@@ -447,6 +417,7 @@ def generate_continuous(model, tokenizer, requests: list[Request], batch_size: i
     _check_requests(requests, tokenizer, model)
     _check_batch_size(batch_size)
     trace = _start_trace(trace, "continuous", batch_size, len(requests))
+    _synchronize(model.device)
     start = time.perf_counter()
     queue = deque(range(len(requests)))
     slot_of = {}   # request id -> slot number (only for the record: rows move, slots do not)
@@ -484,7 +455,7 @@ def generate_continuous(model, tokenizer, requests: list[Request], batch_size: i
             # 2. One decode step for every row, then collect what finished.
             _step(model, tokenizer, batch, stop_at_eos, trace, slots_now())
             batch = collect(batch, bar)
-    return _finish(trace, start, tokenizer)
+    return _finish(trace, start, tokenizer, model.device)
 
 
 def generate_batched(model, tokenizer, prompts: list[str], max_new_tokens: int = 10, *,
@@ -507,9 +478,13 @@ def _step(model, tokenizer, batch, stop_at_eos, trace, slots, kind=None):
     """``generate_next_token`` with a stopwatch; appends a ``Step`` to ``trace``."""
     kind = kind or ("decode" if batch.prefilled else "prefill")
     tokens_before = sum(len(tokens) for tokens in batch.token_ids)
+    # On a GPU the work runs behind Python's back: wait for it before reading the clock, so
+    # that each step is charged its own work (merging and filtering run between the steps).
+    _synchronize(model.device)
     start = time.perf_counter()
     generate_next_token(model, tokenizer, batch, stop_at_eos=stop_at_eos)
-    seconds = time.perf_counter() - start   # .tolist() in the step waits for the GPU
+    _synchronize(model.device)
+    seconds = time.perf_counter() - start
     new_tokens = sum(len(tokens) for tokens in batch.token_ids) - tokens_before
     trace.steps.append(Step(kind, list(batch.request_ids), list(slots), seconds, new_tokens))
 
@@ -521,8 +496,15 @@ def _start_trace(trace: Trace | None, driver: str, batch_size: int, n_requests: 
     return trace
 
 
-def _finish(trace: Trace, start: float, tokenizer) -> list[str]:
+def _synchronize(device) -> None:
+    """Wait until the GPU has done all the work queued so far (nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finish(trace: Trace, start: float, tokenizer, device) -> list[str]:
     """Stop the clock and turn every answer's tokens into text, in request order."""
+    _synchronize(device)
     trace.seconds = time.perf_counter() - start
     return [tokenizer.decode(tokens) for tokens in trace.token_ids]
 

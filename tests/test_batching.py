@@ -7,6 +7,10 @@ kv heads than attention heads). Then hand-made batches pin down the padding arit
 merge_batches and filter_batch, and every ValueError is checked.
 """
 
+import ast
+import inspect
+import json
+import pathlib
 import random
 
 import pytest
@@ -470,6 +474,107 @@ def test_merge_and_filter_on_a_real_model_keep_generating_the_same_tokens(tiny_g
         if len(batch) and len(batch) < 3:
             assert batch.attention_mask.shape[1] <= before
     assert [answers[i] for i in range(3)] == expected
+
+
+# --- lesson 03 writes the four functions itself ---------------------------------------------
+
+LESSON_03 = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "03_continuous_batching.ipynb"
+LESSON_FUNCTIONS = ("init_batch", "generate_next_token", "merge_batches", "filter_batch",
+                    "continuous_batching")
+
+
+def lesson_03_functions(model, tokenizer) -> dict:
+    """The functions lesson 03 defines in its code cells, with the lesson's global ``model`` and
+    ``tokenizer`` set to the given ones.
+
+    Only the imports and the ``def`` statements of each cell run, in order (the rest of a cell
+    runs the bundled model on the lesson's queue); nbval runs the whole lesson.
+    """
+    namespace = {"model": model, "tokenizer": tokenizer}
+    for index, cell in enumerate(json.loads(LESSON_03.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        tree = ast.parse("\n".join(line for line in source.splitlines()
+                                    if not line.lstrip().startswith(("%", "!"))))
+        tree.body = [node for node in tree.body
+                     if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+        exec(compile(tree, f"lesson 03, cell {index}", "exec"), namespace)
+    return namespace
+
+
+def test_lesson_03_defines_the_four_functions_in_its_own_cells(tiny_gpt2):
+    lesson = lesson_03_functions(*tiny_gpt2)
+    import helpers.batching
+
+    for name in LESSON_FUNCTIONS:
+        function = inspect.unwrap(lesson[name])     # through @torch.no_grad()
+        assert function.__code__.co_filename.startswith("lesson 03"), name
+        assert function is not getattr(helpers.batching, name, None)
+    # The helpers point back to the lesson that shows them.
+    for name in LESSON_FUNCTIONS[:4]:
+        assert "Lesson 03" in getattr(helpers.batching, name).__doc__
+
+
+@pytest.mark.parametrize("stop_at_eos", [True, False], ids=["eos", "no-eos"])
+@pytest.mark.parametrize("seed", range(4))
+def test_lesson_03_loop_gives_the_helpers_tokens(model_and_tokenizer, seed, stop_at_eos):
+    """The lesson's loop with the lesson's four functions generates, on random queues, exactly
+    the tokens of helpers.generate_continuous: the same algorithm, for GPT-2, Llama-style
+    (rotary positions, fewer kv heads) and the bundled model."""
+    model, tokenizer = model_and_tokenizer
+    lesson = lesson_03_functions(model, tokenizer)
+    rng = random.Random(100 + seed)
+    requests = random_queue(rng, tokenizer)
+    batch_size = rng.randint(1, 8)
+    trace = Trace()
+    generate_continuous(model, tokenizer, requests, batch_size=batch_size, progress=False,
+                        stop_at_eos=stop_at_eos, trace=trace)
+    ours = lesson["continuous_batching"](requests, batch_size=batch_size, stop_at_eos=stop_at_eos,
+                                         progress=False)
+    assert ours == trace.token_ids
+
+
+def _same_batch(a: Batch, b: Batch) -> None:
+    assert (a.request_ids, a.max_tokens, a.token_ids, a.done) == (b.request_ids, b.max_tokens,
+                                                                  b.token_ids, b.done)
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.prefilled == b.prefilled
+    if a.prefilled:
+        for (k1, v1), (k2, v2) in zip(cache_layers(a.past_key_values), cache_layers(b.past_key_values),
+                                      strict=True):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_lesson_03_functions_build_the_helpers_batches(tiny_gqa_llama):
+    """Step by step, the lesson's functions build the very tensors and caches of the helpers'."""
+    model, tokenizer = tiny_gqa_llama
+    lesson = lesson_03_functions(model, tokenizer)
+    import helpers.batching as theirs
+
+    first = [("The rain in Spain falls", 2), ("Jack and Jill", 5)]
+    newcomer = [("Once upon a time, there was a fox named", 4)]
+    runs = {}
+    for name, f in (("lesson", lesson), ("helpers", vars(theirs))):
+        batch = f["init_batch"](tokenizer, first)
+        steps = [batch]
+        batch = f["generate_next_token"](model, tokenizer, batch)                 # prefill
+        new = f["generate_next_token"](model, tokenizer, f["init_batch"](tokenizer, newcomer, [2]))
+        batch = f["merge_batches"](batch, new)
+        steps.append(batch)
+        batch = f["generate_next_token"](model, tokenizer, batch)                 # decode
+        steps.append(batch)
+        batch = f["filter_batch"](batch)                                         # row 0 leaves
+        steps.append(batch)
+        while len(batch):
+            batch = f["filter_batch"](f["generate_next_token"](model, tokenizer, batch))
+            steps.append(batch)
+        runs[name] = steps
+    assert len(runs["lesson"]) == len(runs["helpers"])
+    for a, b in zip(runs["lesson"], runs["helpers"]):
+        _same_batch(a, b)
+    assert runs["lesson"][3].request_ids == [1, 2]
 
 
 # --- every ValueError ----------------------------------------------------------------------
