@@ -1,17 +1,20 @@
 """Eight-bit quantization by hand, what it costs, and how a library does it. (Lesson 04.)
 
-The scheme is zero-point (affine) quantization to unsigned 8-bit integers. For a block of
-numbers with smallest value ``lo`` and largest value ``hi``::
+The scheme is zero-point (affine) quantization to unsigned 8-bit integers, written the way
+PyTorch (``torch.quantize_per_tensor``) and ONNX (``QuantizeLinear``) write it. For a block of
+numbers whose range, stretched to contain 0.0, is [lo, hi] (lo <= 0 <= hi)::
 
-    scale      = (hi - lo) / 255
-    zero_point = lo
-    q          = clamp(round((x - zero_point) / scale), 0, 255)      # uint8 codes
-    x'         = q * scale + zero_point                              # dequantized
+    scale      = (hi - lo) / 255                       # float: the step between two codes
+    zero_point = round(-lo / scale)                    # integer: the code that stands for 0.0
+    q          = clamp(round(x / scale) + zero_point, 0, 255)     # uint8 codes
+    x'         = (q - zero_point) * scale                          # dequantized
 
-so ``lo`` maps to code 0, ``hi`` to code 255, and every value comes back within half a step
-(``scale / 2``) of where it was. Here the zero point is the float ``lo`` itself; libraries
-usually store an integer zero point instead (the code that 0.0 maps to), which is the same
-mapping written differently.
+so the range spans the codes 0 to 255, 0.0 comes back exactly (as code ``zero_point``), and
+every value comes back within half a step (``scale / 2``) of where it was. Writing
+``x' = q * scale + offset`` with a float ``offset`` (for instance the minimum itself)
+describes the same kind of grid; the integer zero point is the special case
+``offset = -zero_point * scale``, which puts 0.0 on the grid and keeps ``q - zero_point`` an
+integer (lesson 04 compares the two).
 
 *Per-tensor* quantization uses one ``(scale, zero_point)`` pair for the whole tensor.
 *Per-channel* quantization along ``axis`` uses one pair for every index of that axis: for a
@@ -57,8 +60,10 @@ def _check_bits(bits) -> int:
 class QuantState:
     """What it takes to turn uint8 codes back into floats. (Lesson 04.)
 
-    scale, zero_point: float32 tensors; one element each for per-tensor quantization, one per
-                       index of ``axis`` for per-channel quantization.
+    scale:      float32 tensor, the step between neighbouring codes.
+    zero_point: int32 tensor, the code that stands for 0.0 (from 0 to 2**bits - 1).
+                Both have one element for per-tensor quantization and one per index of
+                ``axis`` for per-channel quantization; ``x' = (q - zero_point) * scale``.
     axis:  None (per-tensor) or the non-negative axis the channels run along.
     dtype: the dtype of the original tensor (``dequantize`` gives it back).
     shape: the shape of the original tensor.
@@ -74,7 +79,9 @@ class QuantState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the numbers kept beside the codes: the scales and the zero points.
+        """Bytes of the numbers kept beside the codes: the scales (4 bytes each) and the zero
+        points (4 bytes each, stored as int32 for easy arithmetic; a library may keep them in
+        one byte, since a zero point is itself a code).
 
         (The axis, dtype and shape are a few bytes of bookkeeping and are not counted.)
         """
@@ -116,6 +123,10 @@ def quantize(t: torch.Tensor, axis: int | None = None,
              bits: int = 8) -> tuple[torch.Tensor, QuantState]:
     """Quantize a float tensor to uint8 codes: ``(q, state)``. (Lesson 04.)
 
+    ``q = clamp(round(t / scale) + zero_point, 0, 255)`` with an integer zero point, the
+    convention of ``torch.quantize_per_tensor`` / ``torch.quantize_per_channel`` (same codes,
+    apart from values within float rounding of a tie: torch multiplies by ``1 / scale``).
+
     axis: None for one scale and zero point for the whole tensor (per-tensor); an integer
           (negative counts from the end) for one scale and zero point per index of that axis
           (per-channel): ``axis=0`` on a matrix gives every row its own range.
@@ -123,10 +134,12 @@ def quantize(t: torch.Tensor, axis: int | None = None,
           difference between per-tensor and per-channel, easy to see; the codes are still
           stored one per byte.
 
-    Every element comes back from ``dequantize(q, state)`` within ``scale / 2`` of its
-    value (plus float rounding). A constant block (max == min) gets scale 1, so its codes are
-    all 0 and it comes back exactly, with no division by zero. The arithmetic runs in float32
-    whatever the input dtype; ``dequantize`` returns the input dtype.
+    The range of each block is first stretched to contain 0.0 (as PyTorch's observers and
+    ONNX do), so 0.0 always has a code: ``zero_point``. Every element comes back from
+    ``dequantize(q, state)`` within ``scale / 2`` of its value (plus float rounding), and an
+    element equal to 0.0 comes back as exactly 0.0. A block of zeros gets scale 1 and zero
+    point 0, with no division by zero. The arithmetic runs in float32 whatever the input
+    dtype; ``dequantize`` returns the input dtype.
 
     Raises ValueError for an empty tensor, a non-floating tensor, a tensor holding NaN or
     infinity, an axis out of range or a number of bits outside 1-8.
@@ -140,24 +153,28 @@ def quantize(t: torch.Tensor, axis: int | None = None,
     else:
         rows = x.movedim(axis, 0).reshape(x.shape[axis], -1)  # one row per channel
         lo, hi = rows.min(dim=1).values, rows.max(dim=1).values
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)              # the range must contain 0.0
     scale = (hi - lo) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant block: any scale works
-    state = QuantState(scale=scale, zero_point=lo, axis=axis, dtype=t.dtype, shape=t.shape,
-                       bits=bits)
-    codes = torch.round((x - state._broadcast(lo)) / state._broadcast(scale))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: any scale works
+    # -lo / scale lies in [0, levels]; rounded, it is the code that 0.0 gets.
+    zero_point = torch.round(-lo / scale).clamp(0, levels).to(torch.int32)
+    state = QuantState(scale=scale, zero_point=zero_point, axis=axis, dtype=t.dtype,
+                       shape=t.shape, bits=bits)
+    codes = torch.round(x / state._broadcast(scale)) + state._broadcast(zero_point)
     q = codes.clamp(0, levels).to(torch.uint8)
     return q, state
 
 
 def dequantize(q: torch.Tensor, state: QuantState) -> torch.Tensor:
-    """Turn uint8 codes back into floats: ``q * scale + zero_point``. (Lesson 04.)"""
+    """Turn uint8 codes back into floats: ``(q - zero_point) * scale``. (Lesson 04.)"""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.uint8:
         got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be a uint8 tensor of codes from quantize(), got {got}")
     if q.shape != state.shape:
         raise ValueError(f"q has shape {tuple(q.shape)} but the state was made for "
                          f"shape {tuple(state.shape)}")
-    x = q.float() * state._broadcast(state.scale) + state._broadcast(state.zero_point)
+    # q.float() first: uint8 minus a zero point would wrap around below 0
+    x = (q.float() - state._broadcast(state.zero_point)) * state._broadcast(state.scale)
     return x.to(state.dtype)
 
 
@@ -173,14 +190,15 @@ def _axis_for(param: torch.Tensor, axis: int | None) -> int | None:
 
 
 def quantize_model(model: nn.Module, axis: int | None = None, bits: int = 8,
-                   inplace: bool = False) -> tuple[nn.Module, dict[str, QuantState]]:
-    """Quantize every floating-point parameter of ``model`` to uint8: ``(model, states)``.
+                   inplace: bool = False,
+                   select=None) -> tuple[nn.Module, dict[str, QuantState]]:
+    """Quantize the floating-point parameters of ``model`` to uint8: ``(model, states)``.
     (Lesson 04.)
 
-    The returned model really holds uint8 tensors (each parameter's data is replaced by its
-    codes), so ``footprint`` measures what 8-bit storage costs. It cannot run until
-    ``dequantize_model`` turns the codes back into floats. ``states`` maps each parameter's
-    name to its ``QuantState``.
+    The returned model really holds uint8 tensors (each quantized parameter's data is replaced
+    by its codes), so ``footprint`` measures what 8-bit storage costs. It cannot run until
+    ``dequantize_model`` turns the codes back into floats. ``states`` maps each quantized
+    parameter's name to its ``QuantState``.
 
     axis:    None for per-tensor; an integer for per-channel along that axis of every
              parameter with two or more dimensions (1-D parameters stay per-tensor, see
@@ -189,17 +207,30 @@ def quantize_model(model: nn.Module, axis: int | None = None, bits: int = 8,
     bits:    8 by default; see ``quantize``.
     inplace: False (the default) quantizes a deep copy and leaves ``model`` as it was, so a
              notebook cell can be run twice; True changes ``model`` itself.
+    select:  None (the default) quantizes every floating-point parameter; a function
+             ``select(name, param) -> bool`` quantizes only those it returns True for and
+             leaves the rest in float, as libraries leave LayerNorms and embeddings:
+             ``select=lambda name, p: p.dim() == 2 and ".h." in name`` takes only the
+             weight matrices of GPT-2's blocks.
 
     Tied parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are one
-    tensor and are quantized once, under the first name ``named_parameters`` gives them.
-    Buffers are left as they are.
+    tensor and are quantized once, under the first name ``named_parameters`` gives them
+    (``select`` sees GPT-2's output head as ``transformer.wte.weight``). Buffers are left as
+    they are.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    targets = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+    if select is not None and not callable(select):
+        raise ValueError(f"select must be None or a function (name, param) -> bool, "
+                         f"got {select!r}")
+
+    def wanted(name, p):
+        return p.is_floating_point() and (select is None or bool(select(name, p)))
+
+    targets = [(name, p) for name, p in model.named_parameters() if wanted(name, p)]
     if not targets:
-        raise ValueError("model has no floating-point parameters to quantize "
-                         "(was it quantized already?)")
+        raise ValueError("model has no floating-point parameters to quantize (was it "
+                         "quantized already, or does select return False for all of them?)")
     _check_bits(bits)
     for name, p in targets:  # check everything before changing anything
         _check_tensor(p, f"parameter {name!r}")
@@ -211,7 +242,7 @@ def quantize_model(model: nn.Module, axis: int | None = None, bits: int = 8,
         model = copy.deepcopy(model)
     states = {}
     for name, p in model.named_parameters():
-        if not p.is_floating_point():
+        if not wanted(name, p):
             continue
         q, states[name] = quantize(p.data, _axis_for(p, axis), bits)
         p.requires_grad_(False)  # integer tensors cannot require gradients
@@ -223,9 +254,9 @@ def dequantize_model(model: nn.Module, states: dict[str, QuantState],
                      inplace: bool = False) -> nn.Module:
     """Turn the uint8 codes of a ``quantize_model`` model back into floats. (Lesson 04.)
 
-    Returns a model that runs again, with every parameter carrying its quantization error.
-    Its parameters do not require gradients (it is meant for inference). ``inplace`` as in
-    ``quantize_model``.
+    Returns a model that runs again, with every quantized parameter carrying its quantization
+    error. Those parameters do not require gradients (it is meant for inference). ``inplace``
+    as in ``quantize_model``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -1,4 +1,5 @@
-"""Lesson 04: zero-point quantization by hand, whole models, footprint, perplexity, torchao."""
+"""Lesson 04: zero-point quantization by hand (checked against torch's own quantizer), whole
+models, footprint, perplexity, torchao."""
 
 import os
 
@@ -59,6 +60,82 @@ def test_round_trip_error_within_half_a_step(shape, axis):
     assert torch.all((back - t).abs() <= _bound(t, q, state))
     if t.numel() > n_channels:  # every channel's range is used end to end
         assert int(q.min()) == 0 and int(q.max()) == 255
+
+
+def _near_a_tie(t, state):
+    """Where t / scale is within float rounding of k + 0.5: there torch, which multiplies by
+    1 / scale instead of dividing, may round to the other neighbour."""
+    steps = t.float() / state._broadcast(state.scale)
+    return ((steps - steps.floor()) - 0.5).abs() < 2e-5
+
+
+def test_same_codes_and_values_as_torch_quantize_per_tensor():
+    import warnings
+
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(300, 200, generator=gen) * 0.05 + 0.01     # a weight-like matrix
+    t[0, 0] = 0.0
+    q, state = quantize(t)
+    scale, zero_point = float(state.scale), int(state.zero_point)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch 2.13 deprecates its quantized dtypes
+        ref = torch.quantize_per_tensor(t, scale, zero_point, torch.quint8)
+    assert 0 < zero_point < 255 and state.zero_point.dtype == torch.int32
+    tie = _near_a_tie(t, state)
+    assert tie.float().mean() < 1e-3                             # a handful at most
+    assert torch.equal(q[~tie], ref.int_repr()[~tie])
+    assert torch.all((q[tie].int() - ref.int_repr()[tie].int()).abs() <= 1)
+    # same codes, same values back (up to float rounding of (q - z) * scale)
+    assert torch.allclose(dequantize(q, state)[~tie], ref.dequantize()[~tie],
+                          rtol=0, atol=1e-6 * scale)
+    # the convention really is the library's: 0.0 is code zero_point, and comes back exactly
+    assert int(q[0, 0]) == int(ref.int_repr()[0, 0]) == zero_point
+    assert float(dequantize(q, state)[0, 0]) == float(ref.dequantize()[0, 0]) == 0.0
+
+
+def test_same_codes_as_torch_quantize_per_channel():
+    import warnings
+
+    gen = torch.Generator().manual_seed(4)
+    t = torch.randn(64, 48, generator=gen) * torch.logspace(-2, 0, 48)  # columns of all sizes
+    q, state = quantize(t, axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = torch.quantize_per_channel(t, state.scale.double(), state.zero_point.long(), 1,
+                                         torch.quint8)
+    assert torch.equal(state.zero_point.long(), ref.q_per_channel_zero_points())
+    tie = _near_a_tie(t, state)
+    assert tie.float().mean() < 1e-3
+    assert torch.equal(q[~tie], ref.int_repr()[~tie])
+    assert torch.allclose(dequantize(q, state)[~tie], ref.dequantize()[~tie],
+                          rtol=0, atol=1e-6 * float(state.scale.max()))
+
+
+def test_zero_is_exact_and_the_range_contains_it():
+    t = torch.tensor([[-0.3, 0.0, 0.7, 0.25], [0.0, 0.11, -0.05, 0.0]])
+    q, state = quantize(t)
+    back = dequantize(q, state)
+    assert torch.all(back[t == 0] == 0.0)                        # exactly, not approximately
+    assert torch.all(q[t == 0] == state.zero_point)
+    # all-positive and all-negative blocks: the range is stretched to 0, so the zero point
+    # is code 0 or code 255, and 0.0 still has a code
+    pos, s_pos = quantize(torch.tensor([0.9, 1.0, 1.2]))
+    neg, s_neg = quantize(torch.tensor([-0.9, -1.0, -1.2]))
+    assert int(s_pos.zero_point) == 0 and int(s_neg.zero_point) == 255
+    assert float(s_pos.scale) == pytest.approx(1.2 / 255) and int(pos.max()) == 255
+    assert int(neg.min()) == 0
+    # per channel: one integer zero point per row
+    _, rows = quantize(torch.tensor([[1.0, 2.0], [-1.0, 3.0], [-2.0, -1.0]]), axis=0)
+    assert rows.zero_point.tolist() == [0, 64, 255]  # round(1 / (4 / 255))
+
+
+def test_a_float_offset_is_the_same_grid_written_differently():
+    """x' = (q - z) * scale is x' = q * scale + offset with offset = -z * scale."""
+    t = torch.randn(40, 30, generator=torch.Generator().manual_seed(5))
+    q, state = quantize(t, axis=0)
+    offset = -state.zero_point.float() * state.scale
+    assert torch.allclose(q.float() * state.scale[:, None] + offset[:, None], dequantize(q, state),
+                          atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
@@ -213,6 +290,32 @@ def test_in_place_round_trip(tiny_gpt2):
     assert dequantize_model(work, states, inplace=True) is work
     for (name, a), b in zip(model.named_parameters(), work.parameters()):
         assert torch.all((a - b).abs() <= states[name].scale.max() / 2 * 1.001 + 1e-7), name
+
+
+def test_select_quantizes_only_what_it_picks(tiny_gpt2):
+    model, _ = tiny_gpt2
+
+    def block_matrices(name, p):
+        return p.dim() == 2 and ".h." in name
+
+    qmodel, states = quantize_model(model, select=block_matrices)
+    picked = {n for n, p in model.named_parameters() if block_matrices(n, p)}
+    assert set(states) == picked and len(picked) == 4 * model.config.n_layer
+    for name, p in qmodel.named_parameters():
+        assert p.dtype == (torch.uint8 if name in picked else torch.float32), name
+    # what is left in float costs 4 bytes a parameter, the rest 1
+    n_picked = sum(p.numel() for n, p in model.named_parameters() if n in picked)
+    n_all = sum(p.numel() for p in model.parameters())
+    assert footprint(qmodel, states)["parameters"] == n_picked + 4 * (n_all - n_picked)
+    restored = dequantize_model(qmodel, states)
+    assert all(p.dtype == torch.float32 for p in restored.parameters())
+    for name, p in restored.named_parameters():
+        if name not in picked:  # untouched, bit for bit
+            assert torch.equal(p, dict(model.named_parameters())[name]), name
+    with pytest.raises(ValueError, match="select must be"):
+        quantize_model(model, select="ln_")
+    with pytest.raises(ValueError, match="select return False"):
+        quantize_model(model, select=lambda name, p: False)
 
 
 def test_model_errors_are_clear(tiny_gpt2):
