@@ -1,8 +1,10 @@
 """Decoding one sequence: what the KV cache buys, what torch.compile buys, and how far both are
 from what the hardware allows (lesson 01, and the roofline behind lessons 02-04).
 
-    python benchmarks/bench_decoding.py            # full run (about 3 minutes on 2 CPU cores)
-    python benchmarks/bench_decoding.py --quick    # fewer repetitions, no compile, small grid
+    python -m benchmarks.bench_decoding            # full run (about 3 minutes on 2 CPU cores)
+    python -m benchmarks.bench_decoding --quick    # fewer repetitions, no compile, small grid
+
+(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
 
 1. KV cache versus no cache, for 50, 100, 200 and 400 new tokens after a short prompt (greedy,
    EOS ignored, so every run makes exactly that many tokens). ``generate_no_cache`` re-reads
@@ -39,17 +41,16 @@ import sys
 import tempfile
 import time
 
+import torch
+import transformers
+
+from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
+                                   pyplot, save_figure, verdicts, write_results)
+from benchmarks.timing import Candidate, crop_cache, time_in_turns
+from helpers.generation import generate_no_cache, generate_with_cache, kv_cache_bytes_for
+from helpers.models import load_model
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from helpers.generation import generate_no_cache, generate_with_cache, kv_cache_bytes_for  # noqa: E402
-from helpers.models import load_model  # noqa: E402
-# (benchmarks/ is on sys.path: results_io is the folder's shared module)
-from results_io import machine, pyplot, save_figure, spread, write_results  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
 T4_BANDWIDTH = 320e9  # bytes/s, NVIDIA's figure for the T4 (Colab's free GPU)
@@ -75,20 +76,17 @@ def bench_kv_cache(model, tokenizer, lengths, reps):
     """Wall time of no-cache and cached greedy decoding for each length, taking turns."""
     rows = []
     for new_tokens in lengths:
-        times = {"no_cache": [], "cache": []}
-        for rep in range(reps + 1):
-            runs = {"no_cache": generate_no_cache(model, tokenizer, PROMPT, new_tokens,
-                                                  stop_at_eos=False),
-                    "cache": generate_with_cache(model, tokenizer, PROMPT, new_tokens,
-                                                 stop_at_eos=False)}
-            if rep > 0:  # the first round warms up
-                for name, run in runs.items():
-                    times[name].append(run.latency)
-        same = runs["no_cache"].token_ids == runs["cache"].token_ids
-        row = {"new_tokens": new_tokens, "no_cache": spread(times["no_cache"]),
-               "cache": spread(times["cache"]), "same_tokens": same,
-               "speedup_per_run": [round(a / b, 2) for a, b in zip(times["no_cache"],
-                                                                   times["cache"])]}
+        timings = time_in_turns({
+            "no_cache": Candidate(lambda: generate_no_cache(model, tokenizer, PROMPT, new_tokens,
+                                                            stop_at_eos=False),
+                                  clock=lambda run: run.latency),
+            "cache": Candidate(lambda: generate_with_cache(model, tokenizer, PROMPT, new_tokens,
+                                                           stop_at_eos=False),
+                               clock=lambda run: run.latency)}, repeats=reps)
+        same = timings.last["no_cache"].token_ids == timings.last["cache"].token_ids
+        row = {"new_tokens": new_tokens, "no_cache": timings.spread("no_cache"),
+               "cache": timings.spread("cache"), "same_tokens": same,
+               "speedup_per_run": timings.ratio_per_run("no_cache", "cache", 2)}
         row["speedup"] = row["no_cache"]["median"] / row["cache"]["median"]
         print(f"  {new_tokens:4d} tokens: no cache {row['no_cache']['median']:.3f} s, cache "
               f"{row['cache']['median']:.3f} s, {row['speedup']:.1f}x; same tokens {same}",
@@ -143,16 +141,17 @@ def bench_compile(model, tokenizer, batches, steps, reps):
         compile_seconds = time.perf_counter() - start - sum(first[1:])
         ways = {"eager_dynamic_cache": None, "eager_static_cache": static_step,
                 "compiled_static_cache": compiled}
-        per_step = {name: [] for name in ways}
-        tokens = {}
-        for _ in range(reps):
-            for name, fn in ways.items():
-                tokens[name], seconds = decode_steps(model, tokenizer, batch, steps, fn)
-                per_step[name].append(statistics.median(seconds))
+        # A sample is the median step of one run (decode_steps times each step); the compile
+        # run above was the warm-up.
+        timings = time_in_turns(
+            {name: Candidate(lambda fn=fn: decode_steps(model, tokenizer, batch, steps, fn),
+                             clock=lambda out: statistics.median(out[1]))
+             for name, fn in ways.items()}, repeats=reps, warmup=0)
         row = {"batch": batch, "steps": steps, "compile_seconds": compile_seconds,
-               "same_tokens": all(t == compiled_tokens for t in tokens.values())}
+               "same_tokens": all(tokens == compiled_tokens
+                                  for tokens, _ in timings.last.values())}
         for name in ways:
-            row[name] = spread(per_step[name])
+            row[name] = timings.spread(name)
         row["eager_over_compiled"] = (row["eager_dynamic_cache"]["median"]
                                       / row["compiled_static_cache"]["median"])
         print(f"  batch {batch}: eager {row['eager_dynamic_cache']['median'] * 1e3:.2f} ms/step "
@@ -170,25 +169,13 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
     """Bytes per second that ``copy_`` moves between two large tensors (read + write)."""
     n = megabytes * 2**20 // 4
     src, dst = torch.rand(n), torch.empty(n)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * n * 4 / statistics.median(times)
+    return 2 * n * 4 / time_in_turns({"copy": lambda: dst.copy_(src)}, repeats=reps).median("copy")
 
 
 def matmul_flops(size: int = 1024, reps: int = 10) -> float:
     """Floating-point operations per second of an fp32 square matrix product."""
     a, b = torch.rand(size, size), torch.rand(size, size)
-    a @ b
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / time_in_turns({"matmul": lambda: a @ b}, repeats=reps).median("matmul")
 
 
 def weights_read(model) -> int:
@@ -221,15 +208,10 @@ def measured_decode(model, batch: int, context: int, reps: int) -> float:
     token = torch.randint(config.vocab_size, (batch, 1), generator=gen)
     mask = torch.ones(batch, context + 1, dtype=torch.long)
     position = torch.full((batch, 1), context)
-    times = []
-    for rep in range(reps + 1):
-        start = time.perf_counter()
-        model(input_ids=token, attention_mask=mask, position_ids=position,
-              past_key_values=cache, use_cache=True)
-        if rep > 0:
-            times.append(time.perf_counter() - start)
-        cache.crop(-1)
-    return statistics.median(times)
+    step = Candidate(lambda: model(input_ids=token, attention_mask=mask, position_ids=position,
+                                   past_key_values=cache, use_cache=True),
+                     prepare=lambda: crop_cache(cache, context))
+    return time_in_turns({"step": step}, repeats=reps).median("step")
 
 
 def bench_roofline(models, batches, context, reps, threads):
@@ -318,58 +300,62 @@ def markdown(result):
         "# Decoding: KV cache, torch.compile, roofline", "",
         f"{result['date']}, {m['cpu']}, {m['threads']} torch thread(s), "
         f"torch {m['torch']}, transformers {m['transformers']}; load average before the run "
-        f"{', '.join(f'{x:.1f}' for x in m['load_average'])}. Medians over "
+        f"{numbers(m['load_average'])}. Medians over "
         f"{result['args']['reps']} repetitions (min-max beside them).", "",
-        "## KV cache versus no cache (bundled model, one sequence, greedy)", "",
-        "| new tokens | no cache (s) | min-max | KV cache (s) | min-max | no cache / cache | "
-        "same tokens |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result["kv_cache"]:
-        n, c = r["no_cache"], r["cache"]
-        lines.append(f"| {r['new_tokens']} | {n['median']:.3f} | {n['min']:.3f}-{n['max']:.3f} | "
-                     f"{c['median']:.3f} | {c['min']:.3f}-{c['max']:.3f} | "
-                     f"**{r['speedup']:.1f}x** | {r['same_tokens']} |")
-    lines += ["", "The ratio grows with the length: without the cache, step t re-reads t "
-              "tokens. Past 256 tokens the bundled model's position table is extended for "
-              "timing only (see the script). ![KV cache](kv_cache.png)", ""]
+    lines += kv_cache_markdown(result["kv_cache"])
     if result.get("compile"):
-        lines += ["## One decode step: eager versus torch.compile", "",
-                  "| batch | eager, DynamicCache | eager, StaticCache | compiled, StaticCache | "
-                  "eager / compiled | compile time | same tokens |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in result["compile"]:
-            lines.append(
-                f"| {r['batch']} | {r['eager_dynamic_cache']['median'] * 1e3:.2f} ms | "
-                f"{r['eager_static_cache']['median'] * 1e3:.2f} ms | "
-                f"{r['compiled_static_cache']['median'] * 1e3:.2f} ms | "
-                f"**{r['eager_over_compiled']:.2f}x** | {r['compile_seconds']:.1f} s | "
-                f"{r['same_tokens']} |")
-        lines += ["", f"Per-step medians over {result['compile'][0]['steps']} steps. Compile "
-                  "time is the first compiled run minus its other steps, with an empty "
-                  "inductor cache (a cold compile); the first batch size pays for most of it.",
-                  ""]
-    roof = result["roofline"]
-    lines += [
+        lines += compile_markdown(result["compile"])
+    lines += roofline_markdown(result["roofline"], m["threads"])
+    return "\n".join(lines + ["Checks: " + verdicts(result["targets_met"]), ""])
+
+
+def kv_cache_markdown(rows):
+    table = [[r["new_tokens"], f"{r['no_cache']['median']:.3f}", min_max(r["no_cache"]),
+              f"{r['cache']['median']:.3f}", min_max(r["cache"]), f"**{r['speedup']:.1f}x**",
+              r["same_tokens"]] for r in rows]
+    return [
+        "## KV cache versus no cache (bundled model, one sequence, greedy)", "",
+        *markdown_table(["new tokens", "no cache (s)", "min-max", "KV cache (s)", "min-max",
+                         "no cache / cache", "same tokens"], table, "rrrrrrr"),
+        "", "The ratio grows with the length: without the cache, step t re-reads t "
+        "tokens. Past 256 tokens the bundled model's position table is extended for "
+        "timing only (see the script). ![KV cache](kv_cache.png)", ""]
+
+
+def compile_markdown(rows):
+    table = [[r["batch"], f"{r['eager_dynamic_cache']['median'] * 1e3:.2f} ms",
+              f"{r['eager_static_cache']['median'] * 1e3:.2f} ms",
+              f"{r['compiled_static_cache']['median'] * 1e3:.2f} ms",
+              f"**{r['eager_over_compiled']:.2f}x**", f"{r['compile_seconds']:.1f} s",
+              r["same_tokens"]] for r in rows]
+    return [
+        "## One decode step: eager versus torch.compile", "",
+        *markdown_table(["batch", "eager, DynamicCache", "eager, StaticCache",
+                         "compiled, StaticCache", "eager / compiled", "compile time",
+                         "same tokens"], table, "rrrrrrr"),
+        "", f"Per-step medians over {rows[0]['steps']} steps. Compile time is the first "
+        "compiled run minus its other steps, with an empty inductor cache (a cold compile); "
+        "the first batch size pays for most of it.", ""]
+
+
+def roofline_markdown(roof, threads):
+    table = [[name, r["batch"], f"{r['bytes_fp32'] / 1e6:.1f}",
+              f"{r['cpu_bandwidth_bound_tok_s']:,.0f}", f"{r['cpu_compute_bound_tok_s']:,.0f}",
+              f"{r['t4_bandwidth_bound_tok_s']:,.0f}", f"{r['measured_tok_s']:,.0f}",
+              f"{r['measured_over_bound']:.0%}"]
+             for name, info in roof["models"].items() for r in info["rows"]]
+    small, big = (roof["models"][n]["rows"][0] for n in roof["models"])
+    return [
         "## Roofline of a decode step", "",
         f"This CPU moves **{roof['cpu_copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s** (copy of "
         f"256 MiB, read + write) and multiplies fp32 matrices at "
-        f"**{roof['cpu_matmul_flops'] / 1e9:.1f} GFLOP/s** with {m['threads']} thread(s); a T4 "
+        f"**{roof['cpu_matmul_flops'] / 1e9:.1f} GFLOP/s** with {threads} thread(s); a T4 "
         f"reads {T4_BANDWIDTH / 1e9:.0f} GB/s. Bytes per step = weights (fp32 here, fp16 on "
         f"the T4) + every row's KV cache at a context of {roof['context']} tokens.", "",
-        "| model | batch | MB read / step (fp32) | CPU memory bound (tok/s) | CPU compute bound "
-        "(tok/s) | T4 memory bound, fp16 (tok/s) | measured (tok/s) | measured / CPU bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, info in roof["models"].items():
-        for r in info["rows"]:
-            lines.append(f"| {name} | {r['batch']} | {r['bytes_fp32'] / 1e6:.1f} | "
-                         f"{r['cpu_bandwidth_bound_tok_s']:,.0f} | "
-                         f"{r['cpu_compute_bound_tok_s']:,.0f} | "
-                         f"{r['t4_bandwidth_bound_tok_s']:,.0f} | {r['measured_tok_s']:,.0f} | "
-                         f"{r['measured_over_bound']:.0%} |")
-    small, big = (roof["models"][n]["rows"][0] for n in roof["models"])
-    lines += [
+        *markdown_table(["model", "batch", "MB read / step (fp32)", "CPU memory bound (tok/s)",
+                         "CPU compute bound (tok/s)", "T4 memory bound, fp16 (tok/s)",
+                         "measured (tok/s)", "measured / CPU bound"], table, "lrrrrrrr"),
         "", "How to read it: one decode step reads every weight once whatever the batch, so "
         "at batch 1 the weights' bytes set the pace and more rows come almost free, until the "
         "KV cache (which grows with the batch) or the arithmetic takes over. GPT-2 small "
@@ -380,9 +366,6 @@ def markdown(result):
         "its matrices are so small that the fixed cost of each operation (Python, dispatch, "
         "the cache's bookkeeping) dominates. That is also why torch.compile and batching pay "
         "off so well for it.", "", "![Roofline](roofline.png)", ""]
-    lines += ["Checks: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
-                                      for k, v in result["targets_met"].items()), ""]
-    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -411,7 +394,7 @@ def main(argv=None):
         "machine": {"cpu": machine(), "cpus": os.cpu_count(),
                     "threads": args.threads, "torch": torch.__version__,
                     "transformers": transformers.__version__,
-                    "load_average": list(os.getloadavg())},
+                    "load_average": load_average()},
     }
     lengths = [50, 100, 200] if args.quick else [50, 100, 200, 400]
     print("KV cache vs no cache ...", flush=True)

@@ -1,7 +1,9 @@
 """Lesson 06's figures: one batch, one adapter per row -- a loop versus a gathered product.
 
-    python benchmarks/bench_lora.py              # about a minute (1 torch thread, 2-core CPU)
-    python benchmarks/bench_lora.py --quick      # a smoke test of everything (about 30 s)
+    python -m benchmarks.bench_lora              # about a minute (1 torch thread, 2-core CPU)
+    python -m benchmarks.bench_lora --quick      # a smoke test of everything (about 30 s)
+
+(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
 
 1. The toy model (hidden 1024, ten colour words) with 64 random adapters of rank 2: the time
    of one decoding step (one token per row) for batch sizes 1..64, with the adapters' part
@@ -43,26 +45,23 @@ import datetime
 import os
 import pathlib
 import platform
-import statistics
 import sys
 import tempfile
 import time
 import warnings
 
+import torch
+
+from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
+                                   save_figure, write_results)
+from benchmarks.timing import Candidate, calls_per_sample, crop_cache, time_in_turns
+from helpers.batching import position_ids_from_mask
+from helpers.corpus import task_examples, task_prompt
+from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel, linear_lora_gathered,
+                          linear_lora_loop, load_adapters, random_adapters, shipped_adapters)
+from helpers.models import load_model
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from helpers.batching import position_ids_from_mask  # noqa: E402
-from helpers.corpus import task_examples, task_prompt  # noqa: E402
-from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel,  # noqa: E402
-                          linear_lora_gathered, linear_lora_loop, load_adapters,
-                          random_adapters, shipped_adapters)
-from helpers.models import load_model  # noqa: E402
-# (benchmarks/ is on sys.path: results_io is the folder's shared module)
-from results_io import machine, pyplot, save_figure, write_results  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
 #: The model of parts 3 and 4 (the shipped adapters and GPT-2's layer names need it).
 MODEL = "bundled"
@@ -82,59 +81,7 @@ FEW_LOADED_CELLS = [(1, 1), (32, 4)]
 LOGITS_ATOL = LOGITS_RTOL = 1e-4
 
 
-# --- timing ------------------------------------------------------------------------------
-
-def synchronize(device) -> None:
-    """Wait for the GPU to finish its queued work (a no-op on the CPU), so timings are real."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def time_interleaved(steps: dict, repeats: int, warmup: int = 2, number: int = 1,
-                     device="cpu") -> dict[str, list[float]]:
-    """Time several alternatives under the same conditions.
-
-    steps: ``{name: (prepare, run)}``. Each repetition runs every alternative in turn, so a
-    change of load on the machine hits all of them alike: ``prepare()`` untimed (None: nothing
-    to prepare), then ``run()`` ``number`` times in a row, timed. Returns ``{name: [seconds
-    per call, one per repetition]}``; the first ``warmup`` repetitions are not kept.
-    """
-    times = {name: [] for name in steps}
-    for repetition in range(warmup + repeats):
-        for name, (prepare, run) in steps.items():
-            if prepare is not None:
-                prepare()
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(number):
-                run()
-            synchronize(device)
-            if repetition >= warmup:
-                times[name].append((time.perf_counter() - start) / number)
-    return times
-
-
-def calls_per_sample(fn, at_least_s: float = 5e-4) -> int:
-    """How many calls of ``fn`` make one timing sample of at least ``at_least_s`` seconds
-    (a single call of a few microseconds is below what one clock reading can resolve)."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    return max(1, int(at_least_s / once) + 1)
-
+# --- the rows of a batch ---------------------------------------------------------------
 
 def rows_for(batch: int, distinct: int, pool: int, seed: int) -> list[int]:
     """Adapter indices for the rows of a batch: ``distinct`` adapters drawn (seeded) from
@@ -164,10 +111,12 @@ def bench_toy(args) -> list[dict]:
         row = {"batch": batch}
         for name in ("loop", "gathered"):
             fn, model = functions[name], models[name]
-            row[f"{name}_lora_s"] = median_seconds(
-                lambda: fn(x, loras_a, loras_b, indices), args.repeats * 4)
-            row[f"{name}_model_s"] = median_seconds(
-                lambda: model(ids, loras_a, loras_b, indices), args.repeats * 4)
+            row[f"{name}_lora_s"] = time_in_turns(
+                {"lora": lambda: fn(x, loras_a, loras_b, indices)}, args.repeats * 4,
+                warmup=2).median("lora")
+            row[f"{name}_model_s"] = time_in_turns(
+                {"model": lambda: model(ids, loras_a, loras_b, indices)}, args.repeats * 4,
+                warmup=2).median("model")
         row["lora_ratio"] = row["loop_lora_s"] / row["gathered_lora_s"]
         row["model_ratio"] = row["loop_model_s"] / row["gathered_model_s"]
         same = torch.allclose(models["loop"](ids, loras_a, loras_b, indices),
@@ -197,12 +146,12 @@ def bench_toy_grid(args) -> list[dict]:
             same = torch.allclose(loop(), gathered(), atol=1e-5)
             # Both use as many calls per sample as the faster one needs to fill one.
             number = calls_per_sample(gathered)
-            times = time_interleaved({"loop": (None, loop), "gathered": (None, gathered)},
-                                     repeats=args.repeats * 4, number=number)
+            timings = time_in_turns({"loop": loop, "gathered": gathered},
+                                    repeats=args.repeats * 4, warmup=2, number=number)
             cell = {"batch": batch, "distinct": distinct, "calls_per_sample": number,
-                    "loop_s": statistics.median(times["loop"]),
-                    "gathered_s": statistics.median(times["gathered"]),
-                    "same_output": bool(same), "all_times_s": times}
+                    "loop_s": timings.median("loop"), "gathered_s": timings.median("gathered"),
+                    "same_output": bool(same), "all_times_s": timings.seconds,
+                    "threads": timings.threads}
             cell["loop_over_gathered"] = cell["loop_s"] / cell["gathered_s"]
             cells.append(cell)
         last = [c for c in cells if c["batch"] == batch]
@@ -243,23 +192,15 @@ def bench_real(args) -> dict:
     with torch.no_grad():
         tokens = {k: runner(k, args.tokens)() for k in ("ours", "peft")}
         identical = tokens["ours"].tolist() == tokens["peft"].tolist()
-        times = {f"{k}_{n}": [] for k in kinds for n in ("first", "all")}
-        for _ in range(1):  # warm-up
-            for k in kinds:
-                runner(k, 1)(), runner(k, args.tokens)()
-        for _ in range(args.repeats):  # interleaved, so that load changes hit all of them
-            for k in kinds:
-                for n, count in (("first", 1), ("all", args.tokens)):
-                    fn = runner(k, count)
-                    start = time.perf_counter()
-                    fn()
-                    synchronize(args.device)
-                    times[f"{k}_{n}"].append(time.perf_counter() - start)
+        timings = time_in_turns({f"{k}_{n}": runner(k, count) for k in kinds
+                                 for n, count in (("first", 1), ("all", args.tokens))},
+                                repeats=args.repeats, device=args.device)
     new_tokens = tokens["ours"].shape[1] - batch.input_ids.shape[1]
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = {key: timings.median(key) for key in timings.seconds}
     result = {"batch": args.batch, "adapters": names, "rows": peft_rows,
               "prompt_tokens": int(batch.input_ids.shape[1]), "new_tokens": int(new_tokens),
-              "identical_tokens": identical, "all_times_s": times}
+              "identical_tokens": identical, "all_times_s": timings.seconds,
+              "threads": timings.threads}
     for k in kinds:
         result[k] = {"first_token_s": med[f"{k}_first"], "total_s": med[f"{k}_all"],
                      "per_token_s": (med[f"{k}_all"] - med[f"{k}_first"]) / max(1, new_tokens - 1)}
@@ -317,36 +258,14 @@ def short_prompts(batch: int) -> list[str]:
     return [" ".join(s.split()[:3 + i % 5]) for i, s in enumerate(sentences)]
 
 
-def reset_cache(cache, length: int) -> None:
-    """Crop a ``DynamicCache`` back to ``length`` positions. (transformers 5: ``crop(-n)``
-    removes the last n positions; a positive argument is refused.)"""
-    extra = cache.get_seq_length() - length
-    if extra < 0:
-        raise RuntimeError(f"the cache holds {cache.get_seq_length()} positions, fewer than "
-                           f"the {length} of the prompt")
-    cache.crop(-extra)
-
-
 @torch.no_grad()
 def grid_cell(models: dict, lora, tokenizer, names: list[str], batch: int, distinct: int,
               repeats: int, device) -> dict:
     """One cell of part 4: prefill, checks, then the timed decoding step of each kind."""
     rows = [names[i] for i in rows_for(batch, distinct, len(names), seed=batch * 100 + distinct)]
     inputs = tokenizer(short_prompts(batch), return_tensors="pt", padding=True).to(device)
-    mask = inputs.attention_mask
     prompt_length = inputs.input_ids.shape[1]
-    # Left padding: a row's positions count its real tokens only (0, 1, 2 ... after the pads).
-    prefill = dict(input_ids=inputs.input_ids, attention_mask=mask,
-                   position_ids=position_ids_from_mask(mask), use_cache=True)
-    lora.set_rows(rows)
-    prefilled = {"base": models["base"](**prefill),
-                 "ours": models["ours"](**prefill),
-                 "peft": models["peft"](**prefill, adapter_names=rows)}
-    caches = {kind: out.past_key_values for kind, out in prefilled.items()}
-    # The decoding step: every kind gets the same token per row (ours' greedy choice).
-    next_ids = prefilled["ours"].logits[:, -1:].argmax(-1)
-    step = dict(input_ids=next_ids, attention_mask=torch.cat([mask, torch.ones_like(next_ids)], 1),
-                position_ids=mask.sum(-1, keepdim=True), use_cache=True)
+    caches, step = prefill(models, lora, rows, inputs)
 
     def run(kind):
         if kind == "base":
@@ -359,7 +278,7 @@ def grid_cell(models: dict, lora, tokenizer, names: list[str], batch: int, disti
 
     def prepare(kind, forget_rows=False):
         def fn():
-            reset_cache(caches[kind], prompt_length)
+            crop_cache(caches[kind], prompt_length)
             if forget_rows:  # the next set_rows must gather every row's A and B again
                 lora.set_rows(None)
         return fn
@@ -369,35 +288,59 @@ def grid_cell(models: dict, lora, tokenizer, names: list[str], batch: int, disti
         prepare(kind)()
         logits[kind] = run(kind)()
     # The same step without a cache, from the whole sequence: checks masks and positions.
-    whole = torch.cat([inputs.input_ids, next_ids], 1)
+    whole = torch.cat([inputs.input_ids, step["input_ids"]], 1)
     full = models["ours"](input_ids=whole, attention_mask=step["attention_mask"],
                           position_ids=position_ids_from_mask(step["attention_mask"]))
 
-    times = time_interleaved({"base": (prepare("base"), run("base")),
-                              "ours": (prepare("ours"), run("ours")),
-                              "ours_new_rows": (prepare("ours", forget_rows=True), run("ours")),
-                              "peft": (prepare("peft"), run("peft"))},
-                             repeats=repeats, device=device)
+    timings = time_in_turns({"base": Candidate(run("base"), prepare("base")),
+                             "ours": Candidate(run("ours"), prepare("ours")),
+                             "ours_new_rows": Candidate(run("ours"), prepare("ours", True)),
+                             "peft": Candidate(run("peft"), prepare("peft"))},
+                            repeats=repeats, warmup=2, device=device)
     prepare("ours")()
     repeated = run("ours")()  # after all the repetitions: the cache must be as it was
     cell = {"batch": batch, "distinct": distinct, "prompt_tokens": prompt_length,
-            "rows": rows, "all_times_s": times,
-            "same_logits": bool(torch.allclose(logits["ours"], logits["peft"],
-                                               atol=LOGITS_ATOL, rtol=LOGITS_RTOL)),
-            "max_diff_ours_peft": float((logits["ours"] - logits["peft"]).abs().max()),
-            "max_diff_ours_base": float((logits["ours"] - logits["base"]).abs().max()),
-            "adapters_change_logits": not torch.allclose(logits["ours"], logits["base"],
-                                                         atol=100 * LOGITS_ATOL),
-            "cached_step_matches_full_forward": bool(torch.allclose(
-                full.logits[:, -1:], logits["ours"], atol=LOGITS_ATOL, rtol=LOGITS_RTOL)),
-            "cache_unchanged_by_repetitions": bool(torch.equal(repeated, logits["ours"]))}
-    for kind, values in times.items():
-        cell[f"{kind}_s"] = statistics.median(values)
+            "rows": rows, "all_times_s": timings.seconds, "threads": timings.threads,
+            **cell_checks(logits, full.logits[:, -1:], repeated)}
+    for kind in timings.seconds:
+        cell[f"{kind}_s"] = timings.median(kind)
     cell["peft_over_ours"] = cell["peft_s"] / cell["ours_s"]
     cell["peft_over_ours_new_rows"] = cell["peft_s"] / cell["ours_new_rows_s"]
     cell["ours_over_base"] = cell["ours_s"] / cell["base_s"]
     cell["peft_over_base"] = cell["peft_s"] / cell["base_s"]
     return cell
+
+
+def prefill(models: dict, lora, rows: list[str], inputs) -> tuple[dict, dict]:
+    """Prefill the prompts once with each kind of model: their KV caches, and the inputs of
+    the decoding step, in which every kind gets the same token per row (ours' greedy one)."""
+    mask = inputs.attention_mask
+    # Left padding: a row's positions count its real tokens only (0, 1, 2 ... after the pads).
+    prompts = dict(input_ids=inputs.input_ids, attention_mask=mask,
+                   position_ids=position_ids_from_mask(mask), use_cache=True)
+    lora.set_rows(rows)
+    prefilled = {"base": models["base"](**prompts),
+                 "ours": models["ours"](**prompts),
+                 "peft": models["peft"](**prompts, adapter_names=rows)}
+    next_ids = prefilled["ours"].logits[:, -1:].argmax(-1)
+    step = dict(input_ids=next_ids, attention_mask=torch.cat([mask, torch.ones_like(next_ids)], 1),
+                position_ids=mask.sum(-1, keepdim=True), use_cache=True)
+    return {kind: out.past_key_values for kind, out in prefilled.items()}, step
+
+
+def cell_checks(logits: dict, full_forward, repeated) -> dict:
+    """A grid cell's checks: ours and peft agree, the adapters change the logits, the cached
+    step gives the full forward pass's logits, and repeating the step leaves the cache as it was."""
+    return {
+        "same_logits": bool(torch.allclose(logits["ours"], logits["peft"],
+                                           atol=LOGITS_ATOL, rtol=LOGITS_RTOL)),
+        "max_diff_ours_peft": float((logits["ours"] - logits["peft"]).abs().max()),
+        "max_diff_ours_base": float((logits["ours"] - logits["base"]).abs().max()),
+        "adapters_change_logits": not torch.allclose(logits["ours"], logits["base"],
+                                                     atol=100 * LOGITS_ATOL),
+        "cached_step_matches_full_forward": bool(torch.allclose(
+            full_forward, logits["ours"], atol=LOGITS_ATOL, rtol=LOGITS_RTOL)),
+        "cache_unchanged_by_repetitions": bool(torch.equal(repeated, logits["ours"]))}
 
 
 def load_peft(folders: dict[str, pathlib.Path], device):
@@ -551,16 +494,14 @@ def ms(seconds: float) -> str:
 def ratio_matrix(cells, batches, distincts, key) -> list[str]:
     """A markdown table: one row per batch size, one column per distinct-adapter count."""
     by_cell = {(c["batch"], c["distinct"]): c[key] for c in cells}
-    lines = ["| batch \\ adapters | " + " | ".join(str(d) for d in distincts) + " |",
-             "|---:|" + "---:|" * len(distincts)]
-    for b in batches:
-        values = [f"{by_cell[b, d]:.2f}x" if (b, d) in by_cell else "" for d in distincts]
-        lines.append(f"| {b} | " + " | ".join(values) + " |")
-    return lines
+    rows = [[b] + [f"{by_cell[b, d]:.2f}x" if (b, d) in by_cell else "" for d in distincts]
+            for b in batches]
+    return markdown_table(["batch \\ adapters", *map(str, distincts)], rows,
+                          "r" * (len(distincts) + 1))
 
 
 def markdown(result) -> str:
-    toy, real, m = result["toy"], result.get("real"), result["machine"]
+    m = result["machine"]
     lines = [
         "# Multi-LoRA: one batch, one adapter per row", "",
         f"{result['date']}, {m['device']} ({m['cpu']}, {m['cores']} cores; load average "
@@ -568,20 +509,30 @@ def markdown(result) -> str:
         f"transformers {m['transformers']}, peft {m['peft']}. Median wall times; they change "
         "from run to run." + (" **Smoke run (`--quick`): too few repetitions to quote.**"
                               if result["args"]["quick"] else ""), "",
+    ]
+    lines += toy_markdown(result) + toy_grid_markdown(result)
+    if result.get("real"):
+        lines += real_markdown(result["real"])
+    if result.get("real_grid"):
+        lines += real_grid_markdown(result["real_grid"], result["repeats"] * 4)
+        lines += few_loaded_markdown(result["real_grid"])
+    return "\n".join(lines) + "\n"
+
+
+def toy_markdown(result) -> list[str]:
+    rows = [[r["batch"], f"{r['loop_lora_s'] * 1e3:.3f} ms", f"{r['gathered_lora_s'] * 1e3:.3f} ms",
+             f"{r['lora_ratio']:.1f}x", f"{r['loop_model_s'] * 1e3:.3f} ms",
+             f"{r['gathered_model_s'] * 1e3:.3f} ms", f"{r['model_ratio']:.1f}x"]
+            for r in result["toy"]]
+    lines = [
         f"## Toy model: {result['args']['adapters']} random adapters of rank "
         f"{result['args']['rank']}, hidden 1024, one token per row", "",
-        "| batch | adapters: loop | adapters: gathered | loop / gathered | whole model: loop | "
-        "whole model: gathered | loop / gathered |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in toy:
-        lines.append(f"| {r['batch']} | {r['loop_lora_s'] * 1e3:.3f} ms | "
-                     f"{r['gathered_lora_s'] * 1e3:.3f} ms | {r['lora_ratio']:.1f}x | "
-                     f"{r['loop_model_s'] * 1e3:.3f} ms | {r['gathered_model_s'] * 1e3:.3f} ms "
-                     f"| {r['model_ratio']:.1f}x |")
-    lines += ["", "The \"adapters\" columns time `linear_lora_loop` / `linear_lora_gathered` "
-              "alone; the whole model adds the base linear layer (1024 × 1024) and the output "
-              "layer, which are the same for both."]
+        *markdown_table(["batch", "adapters: loop", "adapters: gathered", "loop / gathered",
+                         "whole model: loop", "whole model: gathered", "loop / gathered"],
+                        rows, "rrrrrrr"),
+        "", "The \"adapters\" columns time `linear_lora_loop` / `linear_lora_gathered` "
+        "alone; the whole model adds the base linear layer (1024 × 1024) and the output "
+        "layer, which are the same for both."]
     wide = result.get("toy_all_cores")
     if wide:
         lines += ["", f"The same with all {wide['threads']} cores ({wide['threads']} torch "
@@ -589,110 +540,114 @@ def markdown(result) -> str:
                   + ", ".join(f"{r['batch']}: {r['lora_ratio']:.1f}x" for r in wide["rows"])
                   + ". The gathered product spreads over the threads; the loop's tiny "
                   "products cannot, so the gap widens with more cores."]
+    return lines
 
+
+def toy_grid_markdown(result) -> list[str]:
     grid = result["toy_grid"]
-    lines += [
+    rows = [[c["batch"], c["distinct"], f"{c['loop_s'] * 1e3:.4f} ms",
+             f"{c['gathered_s'] * 1e3:.4f} ms", f"{c['loop_over_gathered']:.2f}x"] for c in grid]
+    return [
         "", "## Toy model: batch size × distinct adapters in the batch", "",
         f"`distinct` of the {result['args']['adapters']} adapters (seeded choice), taken in "
         "turn by the rows. The adapters' part alone, loop and gathered alternating, "
         f"{result['repeats'] * 4} samples each (a sample averages enough calls to last "
         "≥ 0.5 ms). loop time / gathered time:", "",
         *ratio_matrix(grid, TOY_BATCHES, TOY_DISTINCT, "loop_over_gathered"), "",
-        "| batch | adapters in the batch | loop | gathered | loop / gathered |",
-        "|---:|---:|---:|---:|---:|",
+        *markdown_table(["batch", "adapters in the batch", "loop", "gathered", "loop / gathered"],
+                        rows, "rrrrr"),
+        "", "Both functions work row by row (the loop multiplies each row by its "
+        "adapter, the gathered version copies each row's A and B), so their cost follows "
+        "the batch size, whichever adapters the rows use.", "",
+        "![Toy model: time against batch size, and loop / gathered](lora_toy.png)"]
+
+
+def real_markdown(real) -> list[str]:
+    def row(label, r):
+        return [label, f"{r['first_token_s'] * 1e3:.0f} ms", f"{r['per_token_s'] * 1e3:.1f} ms",
+                f"{r['total_s']:.2f} s"]
+
+    ratios = [[label] + [f"{real[f'{key}_{what}']:.2f}x" for what in
+                         ("first_token_s", "per_token_s", "total_s")]
+              for label, key in (("peft / ours", "peft_over_ours"),
+                                 ("peft / base model (the ceiling: adapters that cost nothing)",
+                                  "peft_over_base"))]
+    ratios[0][3] = f"**{ratios[0][3]}**"
+    return [
+        "", f"## Bundled model, shipped adapters, batch {real['batch']}", "",
+        f"Adapters {', '.join(real['adapters'])} and none, cycling over the rows; "
+        f"{real['prompt_tokens']} prompt tokens (left-padded), {real['new_tokens']} new "
+        "tokens (greedy `generate`, until every row has finished its answer). First token "
+        "= `generate(max_new_tokens=1)` (mostly the prefill); per token = the rest divided "
+        "by the remaining tokens.", "",
+        *markdown_table(["", "first token", "per token after it", "whole answers"],
+                        [row("base model, no adapters", real["base"]),
+                         row("ours (`MultiLora`, gathered)", real["ours"]),
+                         row("peft (`adapter_names=`)", real["peft"]), *ratios], "lrrr"),
+        "", f"Identical tokens: {real['identical_tokens']}.",
     ]
-    for c in grid:
-        lines.append(f"| {c['batch']} | {c['distinct']} | {c['loop_s'] * 1e3:.4f} ms | "
-                     f"{c['gathered_s'] * 1e3:.4f} ms | {c['loop_over_gathered']:.2f}x |")
-    lines += ["", "Both functions work row by row (the loop multiplies each row by its "
-              "adapter, the gathered version copies each row's A and B), so their cost follows "
-              "the batch size, whichever adapters the rows use.", "",
-              "![Toy model: time against batch size, and loop / gathered](lora_toy.png)"]
 
-    if real:
-        o, p, b = real["ours"], real["peft"], real["base"]
-        lines += [
-            "", f"## Bundled model, shipped adapters, batch {real['batch']}", "",
-            f"Adapters {', '.join(real['adapters'])} and none, cycling over the rows; "
-            f"{real['prompt_tokens']} prompt tokens (left-padded), {real['new_tokens']} new "
-            "tokens (greedy `generate`, until every row has finished its answer). First token "
-            "= `generate(max_new_tokens=1)` (mostly the prefill); per token = the rest divided "
-            "by the remaining tokens.", "",
-            "| | first token | per token after it | whole answers |", "|---|---:|---:|---:|",
-            f"| base model, no adapters | {b['first_token_s'] * 1e3:.0f} ms | "
-            f"{b['per_token_s'] * 1e3:.1f} ms | {b['total_s']:.2f} s |",
-            f"| ours (`MultiLora`, gathered) | {o['first_token_s'] * 1e3:.0f} ms | "
-            f"{o['per_token_s'] * 1e3:.1f} ms | {o['total_s']:.2f} s |",
-            f"| peft (`adapter_names=`) | {p['first_token_s'] * 1e3:.0f} ms | "
-            f"{p['per_token_s'] * 1e3:.1f} ms | {p['total_s']:.2f} s |",
-            f"| peft / ours | {real['peft_over_ours_first_token_s']:.2f}x | "
-            f"{real['peft_over_ours_per_token_s']:.2f}x | **{real['peft_over_ours_total_s']:.2f}x** |",
-            f"| peft / base model (the ceiling: adapters that cost nothing) | "
-            f"{real['peft_over_base_first_token_s']:.2f}x | "
-            f"{real['peft_over_base_per_token_s']:.2f}x | {real['peft_over_base_total_s']:.2f}x |",
-            "", f"Identical tokens: {real['identical_tokens']}.",
-        ]
 
-    rgrid = result.get("real_grid")
-    if rgrid:
-        cells, setup = rgrid["cells"], rgrid["setup"]
-        agree = all(c["same_logits"] for c in cells)
-        lines += [
-            "", "## Bundled model, one decoding step: batch size × distinct adapters", "",
-            f"{rgrid['adapters']} random LoRA adapters (rank {rgrid['rank']}, lora_alpha "
-            f"{rgrid['lora_alpha']}, on every "
-            f"{', '.join(f'`{t}`' for t in rgrid['target_modules'])}"
-            "; seeded random A and B), saved with peft's `save_pretrained` and loaded into peft "
-            f"(`PeftModel.from_pretrained` + `load_adapter`: {setup['peft_load_s']:.1f} s for "
-            f"all of them) and into ours (`load_adapters`: {setup['ours_load_s']:.1f} s). Short "
-            "prompts (3 to 7 words, left-padded) are prefilled once; the time is that of ONE "
-            "decoding step (one new token per row, on the KV cache, which is cropped back to the "
-            "prompt before every repetition), kinds alternating, median of "
-            f"{result['repeats'] * 4} repetitions. *ours* = `set_rows` with the rows it already "
-            "has, then the forward pass; *ours, rows changed* = the same right after other rows "
-            "(so `set_rows` gathers every row's A and B again, as when a batch changes); "
-            "*peft* = `forward(..., adapter_names=[...])`.", "",
-            "peft time / ours time:", "",
-            *ratio_matrix(cells, GRID_BATCHES, GRID_DISTINCT, "peft_over_ours"), "",
-            "| batch | adapters in the batch | base | ours | ours, rows changed | peft | "
-            "peft / ours | ours / base | peft / base | ours = peft (max difference) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for c in cells:
-            lines.append(
-                f"| {c['batch']} | {c['distinct']} | {ms(c['base_s'])} | {ms(c['ours_s'])} | "
-                f"{ms(c['ours_new_rows_s'])} | {ms(c['peft_s'])} | **{c['peft_over_ours']:.2f}x** "
-                f"| {c['ours_over_base']:.2f}x | {c['peft_over_base']:.2f}x | "
-                f"{'yes' if c['same_logits'] else 'NO'} ({c['max_diff_ours_peft']:.1e}) |")
-        smallest = min(c["max_diff_ours_base"] for c in cells)
-        lines += [
-            "", f"Logits of ours and peft agree in every cell (atol {LOGITS_ATOL}, rtol "
-            f"{LOGITS_RTOL}): {'yes' if agree else 'NO'}. The adapters do change them: the "
-            f"largest difference from the base model is at least {smallest:.2f} in every cell. "
-            "The cached step gives the logits of a full forward pass: "
-            f"{'yes' if all(c['cached_step_matches_full_forward'] for c in cells) else 'NO'}; "
-            "the cache is the same after the repetitions: "
-            f"{'yes' if all(c['cache_unchanged_by_repetitions'] for c in cells) else 'NO'}.",
-            "", "peft runs one pair of small products per distinct adapter in each layer; ours "
-            "runs one batched product per layer whatever the adapters are.", "",
-            "peft also pays per forward pass for the adapters it holds, used or not. The same "
-            f"kind of cell with a peft model that holds only the batch's adapters (and "
-            f"{rgrid['adapters']} loaded, from the grid above):", "",
-            "| batch | adapters in the batch | peft, only those loaded | peft, "
-            f"{rgrid['adapters']} loaded | ours | peft / ours, only those loaded |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        by_cell = {(c["batch"], c["distinct"]): c for c in cells}
-        for c in rgrid["few_loaded"]:
-            full = by_cell.get((c["batch"], c["distinct"]))
-            lines.append(f"| {c['batch']} | {c['distinct']} | {ms(c['peft_s'])} | "
-                         f"{ms(full['peft_s']) if full else ''} | {ms(c['ours_s'])} | "
-                         f"{c['peft_over_ours']:.2f}x |")
-        lines += [
-            "",
-            "![Bundled model: peft / ours for one decoding step](lora_grid.png)",
-        ]
-    return "\n".join(lines) + "\n"
+def real_grid_markdown(rgrid, samples: int) -> list[str]:
+    cells, setup = rgrid["cells"], rgrid["setup"]
+    rows = [[c["batch"], c["distinct"], ms(c["base_s"]), ms(c["ours_s"]), ms(c["ours_new_rows_s"]),
+             ms(c["peft_s"]), f"**{c['peft_over_ours']:.2f}x**", f"{c['ours_over_base']:.2f}x",
+             f"{c['peft_over_base']:.2f}x",
+             f"{'yes' if c['same_logits'] else 'NO'} ({c['max_diff_ours_peft']:.1e})"]
+            for c in cells]
+
+    def yes(key):
+        return "yes" if all(c[key] for c in cells) else "NO"
+
+    return [
+        "", "## Bundled model, one decoding step: batch size × distinct adapters", "",
+        f"{rgrid['adapters']} random LoRA adapters (rank {rgrid['rank']}, lora_alpha "
+        f"{rgrid['lora_alpha']}, on every "
+        f"{', '.join(f'`{t}`' for t in rgrid['target_modules'])}"
+        "; seeded random A and B), saved with peft's `save_pretrained` and loaded into peft "
+        f"(`PeftModel.from_pretrained` + `load_adapter`: {setup['peft_load_s']:.1f} s for "
+        f"all of them) and into ours (`load_adapters`: {setup['ours_load_s']:.1f} s). Short "
+        "prompts (3 to 7 words, left-padded) are prefilled once; the time is that of ONE "
+        "decoding step (one new token per row, on the KV cache, which is cropped back to the "
+        "prompt before every repetition), kinds alternating, median of "
+        f"{samples} repetitions. *ours* = `set_rows` with the rows it already "
+        "has, then the forward pass; *ours, rows changed* = the same right after other rows "
+        "(so `set_rows` gathers every row's A and B again, as when a batch changes); "
+        "*peft* = `forward(..., adapter_names=[...])`.", "",
+        "peft time / ours time:", "",
+        *ratio_matrix(cells, GRID_BATCHES, GRID_DISTINCT, "peft_over_ours"), "",
+        *markdown_table(["batch", "adapters in the batch", "base", "ours", "ours, rows changed",
+                         "peft", "peft / ours", "ours / base", "peft / base",
+                         "ours = peft (max difference)"], rows, "rrrrrrrrrl"),
+        "", f"Logits of ours and peft agree in every cell (atol {LOGITS_ATOL}, rtol "
+        f"{LOGITS_RTOL}): {yes('same_logits')}. The adapters do change them: the "
+        "largest difference from the base model is at least "
+        f"{min(c['max_diff_ours_base'] for c in cells):.2f} in every cell. "
+        f"The cached step gives the logits of a full forward pass: "
+        f"{yes('cached_step_matches_full_forward')}; "
+        "the cache is the same after the repetitions: "
+        f"{yes('cache_unchanged_by_repetitions')}.",
+    ]
+
+
+def few_loaded_markdown(rgrid) -> list[str]:
+    by_cell = {(c["batch"], c["distinct"]): c for c in rgrid["cells"]}
+    rows = []
+    for c in rgrid["few_loaded"]:
+        full = by_cell.get((c["batch"], c["distinct"]))
+        rows.append([c["batch"], c["distinct"], ms(c["peft_s"]), ms(full["peft_s"]) if full else "",
+                     ms(c["ours_s"]), f"{c['peft_over_ours']:.2f}x"])
+    return [
+        "", "peft runs one pair of small products per distinct adapter in each layer; ours "
+        "runs one batched product per layer whatever the adapters are.", "",
+        "peft also pays per forward pass for the adapters it holds, used or not. The same "
+        f"kind of cell with a peft model that holds only the batch's adapters (and "
+        f"{rgrid['adapters']} loaded, from the grid above):", "",
+        *markdown_table(["batch", "adapters in the batch", "peft, only those loaded",
+                         f"peft, {rgrid['adapters']} loaded", "ours",
+                         "peft / ours, only those loaded"], rows, "rrrrrr"),
+        "", "![Bundled model: peft / ours for one decoding step](lora_grid.png)",
+    ]
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -749,13 +704,13 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load = load_average()
     result = {"date": datetime.date.today().isoformat(),
               "args": {**vars(args), "out": str(args.out)}, "repeats": args.repeats,
               "machine": {"device": (torch.cuda.get_device_name() if args.device == "cuda"
                                      else f"{platform.machine()} CPU"),
                           "cpu": machine(), "cores": os.cpu_count(),
-                          "load_average": ", ".join(f"{x:.1f}" for x in load) if load else "n/a",
+                          "load_average": numbers(load) if load else "n/a",
                           "threads": args.threads, "torch": torch.__version__,
                           "transformers": transformers.__version__, "peft": peft.__version__}}
     result["toy"] = bench_toy(args)

@@ -1,6 +1,8 @@
 """Lesson 04's figures: what 8-bit quantization saves and costs on the bundled model.
 
-    python benchmarks/bench_quantization.py            # about a minute on 2 CPU cores
+    python -m benchmarks.bench_quantization            # about a minute on 2 CPU cores
+
+(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
 
 Measures, for the bundled model on CPU:
   * memory footprint: fp32, hand-made uint8 (per-tensor and per-channel, states counted),
@@ -17,39 +19,37 @@ import argparse
 import copy
 import datetime
 import pathlib
-import statistics
-import sys
 import time
 
+import torch
+
+from benchmarks.results_io import machine, pyplot, save_figure, write_results
+from benchmarks.timing import Candidate, time_in_turns
+from helpers.quantization import (dequantize_model, footprint, import_torchao, perplexity,
+                                  quantize_model, quiet_stderr, torchao_int8_weight_only)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from helpers.quantization import (dequantize_model, footprint, import_torchao,  # noqa: E402
-                                  perplexity, quantize_model, quiet_stderr,
-                                  torchao_int8_weight_only)
-# (benchmarks/ is on sys.path: results_io is the folder's shared module)
-from results_io import machine, pyplot, save_figure, write_results  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
 
 def decode_seconds(models: dict, tokenizer, tokens: int, repeats: int) -> dict[str, dict]:
-    """Seconds to generate ``tokens`` greedy tokens, for each model: median, min and max.
+    """Seconds to generate ``tokens`` greedy tokens, for each model: median, min and max
+    (``timing.spread``).
 
     The models take turns (one run each per round, after a warm-up round), so that a change
     in the machine's load during the measurement hits all of them alike.
     """
     from helpers import generate_with_cache
 
-    runs = {name: [] for name in models}
-    for _ in range(repeats + 1):
-        for name, model in models.items():
-            out = generate_with_cache(model, tokenizer, PROMPTS[0], tokens, stop_at_eos=False)
-            runs[name].append(out.latency)
-    return {name: {"median": statistics.median(r[1:]), "min": min(r[1:]), "max": max(r[1:])}
-            for name, r in runs.items()}
+    def decode(model):
+        return Candidate(lambda: generate_with_cache(model, tokenizer, PROMPTS[0], tokens,
+                                                     stop_at_eos=False),
+                         clock=lambda out: out.latency)
+
+    timings = time_in_turns({name: decode(model) for name, model in models.items()},
+                            repeats=repeats)
+    return {name: timings.spread(name) for name in models}
 
 
 def continuations(model, tokenizer, tokens: int = 20) -> dict[str, str]:
@@ -59,7 +59,7 @@ def continuations(model, tokenizer, tokens: int = 20) -> dict[str, str]:
             for p in PROMPTS}
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--docs", type=int, default=200, help="held-out documents for perplexity")
     ap.add_argument("--tokens", type=int, default=50, help="greedy tokens per timed run")
@@ -72,19 +72,12 @@ def main():
         args.docs, args.repeats = 20, 2
     if min(args.docs, args.tokens, args.repeats, args.threads) < 1:
         ap.error("--docs, --tokens, --repeats and --threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    return args
 
-    try:
-        torchao = import_torchao()  # first, so that loading the model prints nothing either
-    except ImportError as err:
-        torchao = None
-        print(f"[torchao missing: {err}]")
 
-    from helpers import load_model
-    from helpers.corpus import corpus
-
-    model, tokenizer = load_model(device="cpu")
-    texts = corpus(seed=1, n_docs=args.docs)
+def measure_variants(model, tokenizer, texts, torchao) -> tuple[list[dict], dict]:
+    """Footprint, perplexity and greedy continuations of every variant: one row each, and
+    the models whose decode speed is timed, by variant name."""
     base = footprint(model)
     rows, timed = [], {}
 
@@ -128,7 +121,23 @@ def main():
                                      if isinstance(m, torch.nn.Linear)
                                      and type(m.weight) is not torch.nn.Parameter],
                 "lm_head_still_tied": naive.lm_head.weight is naive.transformer.wte.weight})
+    return rows, timed
 
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        torchao = import_torchao()  # first, so that loading the model prints nothing either
+    except ImportError as err:
+        torchao = None
+        print(f"[torchao missing: {err}]")
+
+    from helpers import load_model
+    from helpers.corpus import corpus
+
+    model, tokenizer = load_model(device="cpu")
+    rows, timed = measure_variants(model, tokenizer, corpus(seed=1, n_docs=args.docs), torchao)
     print(f"decode speed ({args.repeats} rounds of {args.tokens} tokens, models taking turns) ...")
     seconds = decode_seconds(timed, tokenizer, args.tokens, args.repeats)
     for row in rows:

@@ -1,7 +1,9 @@
 """Benchmark of lesson 07: the server under concurrent streaming clients.
 
-    python benchmarks/bench_server.py            # full run (about a minute on a 2-core CPU)
-    python benchmarks/bench_server.py --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_server            # full run (about a minute on a 2-core CPU)
+    python -m benchmarks.bench_server --quick    # fewer repetitions, for a smoke test
+
+(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
 
 The server runs in its own process (``helpers.server.serve_in_background``), as in the lesson,
 started once for the whole run; this process is the clients (httpx, streaming
@@ -53,15 +55,13 @@ import statistics
 import sys
 import time
 
+import httpx
+
+from benchmarks.results_io import load_average, markdown_table, numbers, verdicts, write_results
+from benchmarks.timing import Candidate, spread, time_in_turns
+from helpers.server import serve_in_background
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import httpx  # noqa: E402
-
-from helpers.server import serve_in_background  # noqa: E402
-# (benchmarks/ is on sys.path: results_io is the folder's shared module)
-from results_io import spread, write_results  # noqa: E402
-
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
 TARGETS = {"speedup": 4.0}
@@ -180,10 +180,15 @@ def sweep(url, levels, new_tokens, reps):
     print(f"sweep: warm-up with {max(levels)} clients ...", flush=True)
     sweep_run(url, max(levels), new_tokens)
     runs = {n: [] for n in levels}
-    for rep in range(reps):
-        for n in levels:
-            print(f"sweep repetition {rep + 1}/{reps}: {n} concurrent client(s) ...", flush=True)
+
+    def level(n):
+        def run():
             runs[n].append(sweep_run(url, n, new_tokens))
+            return runs[n][-1]
+        return Candidate(run, clock=lambda figures: figures["seconds"])
+
+    time_in_turns({f"{n} concurrent client(s)": level(n) for n in levels}, repeats=reps,
+                  warmup=0, progress="sweep")
     table = []
     for n in levels:
         entry = {"clients": n, "requests": n * reps,
@@ -197,6 +202,50 @@ def sweep(url, levels, new_tokens, reps):
         entry["errors"] = [e for r in runs[n] for e in r["errors"]]
         table.append(entry)
     return table
+
+
+def one_by_one_and_at_once(url, jobs, reps, probes):
+    """The 16-request runs: one after another, then all at once (and, apart, all at once with
+    single-token probes), taking turns ``reps`` times. Returns what the clients saw."""
+    seen = {"tokens": {"one_after_another": [], "concurrent": []}, "ttft_idle": [],
+            "ttft_load": [], "probes": [], "texts": {}}
+
+    def record(name, results):
+        seen["tokens"][name].append(sum(r["tokens"] for r in results))
+        seen["texts"][name] = [r["text"] for r in results]
+        return [r["ttft"] for r in results]
+
+    def sequential():
+        results, seconds = asyncio.run(one_after_another(url, jobs))
+        seen["ttft_idle"] += record("one_after_another", results)
+        return seconds
+
+    def concurrent():
+        seen["before"] = metrics(url)
+        results, seconds, _ = asyncio.run(concurrently(url, jobs))
+        seen["after"] = metrics(url)
+        seen["ttft_load"] += record("concurrent", results)
+        if probes:  # a separate concurrent run with probes, not counted in the tokens/s
+            seen["probes"] += asyncio.run(concurrently(url, jobs, probes=probes))[2]
+        return seconds
+
+    seen["timings"] = time_in_turns(
+        {"one_after_another": Candidate(sequential, clock=float),
+         "concurrent": Candidate(concurrent, clock=float)},
+        repeats=reps, warmup=0, progress=f"{len(jobs)} requests,")
+    return seen
+
+
+def rates(seen, name) -> list[float]:
+    """Tokens/s of each repetition of one way of sending the requests."""
+    return [tokens / s for tokens, s in zip(seen["tokens"][name], seen["timings"].seconds[name])]
+
+
+def tokens_per_second(seen, name):
+    """The figures of one way of sending the requests: median seconds and tokens/s."""
+    return {"seconds": seen["timings"].median(name), "tokens": seen["tokens"][name][0],
+            "tokens_per_second": statistics.median(rates(seen, name)),
+            "runs_tokens_per_second": [round(r, 1) for r in rates(seen, name)]}
 
 
 def plot(result, path):
@@ -254,49 +303,36 @@ def plot(result, path):
 def markdown(result):
     seq, con = result["one_after_another"], result["concurrent"]
     ttft = result["ttft_seconds"]
+    rows = [[label, f"{run['seconds']:.2f}", run["tokens"], f"{run['tokens_per_second']:.0f}",
+             f"{ttft[key]['p50'] * 1e3:.1f}", f"{ttft[key]['p95'] * 1e3:.1f}"]
+            for label, run, key in (("one after another (idle server)", seq, "idle"),
+                                    (f"{result['clients']} concurrent clients", con,
+                                     "under_load"))]
+    probe, steps = ttft["probe_under_load"], result["server_steps"]
     lines = [
-        "# Server benchmark (lesson 07)",
-        "",
+        "# Server benchmark (lesson 07)", "",
         f"Model: `{result['model']}`; {result['machine']}; server: {result['threads']} torch "
         f"thread(s), max batch size {result['max_batch_size']}; run on {result['date']}; "
-        f"load average before the run "
-        f"{', '.join(f'{x:.1f}' for x in result['load_average'] or [])}, after it "
-        f"{', '.join(f'{x:.1f}' for x in result['load_average_after'] or [])}.",
-        "",
-        "## 16 requests: one after another versus all at once",
-        "",
+        f"load average before the run {numbers(result['load_average'])}, after it "
+        f"{numbers(result['load_average_after'])}.", "",
+        "## 16 requests: one after another versus all at once", "",
         f"{result['clients']} requests x {result['new_tokens']} new tokens (EOS ignored), "
-        f"streamed over HTTP on 127.0.0.1; {result['reps']} repetition(s), median.",
-        "",
-        "| run | wall time (s) | tokens | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) |",
-        "|---|---|---|---|---|---|",
-        f"| one after another (idle server) | {seq['seconds']:.2f} | {seq['tokens']} | "
-        f"{seq['tokens_per_second']:.0f} | {ttft['idle']['p50'] * 1e3:.1f} | "
-        f"{ttft['idle']['p95'] * 1e3:.1f} |",
-        f"| {result['clients']} concurrent clients | {con['seconds']:.2f} | {con['tokens']} | "
-        f"{con['tokens_per_second']:.0f} | {ttft['under_load']['p50'] * 1e3:.1f} | "
-        f"{ttft['under_load']['p95'] * 1e3:.1f} |",
+        f"streamed over HTTP on 127.0.0.1; {result['reps']} repetition(s), median.", "",
+        *markdown_table(["run", "wall time (s)", "tokens", "tokens/s", "TTFT p50 (ms)",
+                         "TTFT p95 (ms)"], rows),
         "",
         f"- concurrent vs one after another: **{result['speedup']:.2f}x** the tokens/s "
         f"(per repetition {min(result['speedup_per_run']):.2f}-"
         f"{max(result['speedup_per_run']):.2f}; target >= {TARGETS['speedup']}x).",
         f"- TTFT of a request that joins the busy batch (single-token probes sent while the "
-        f"{result['clients']} clients stream): p50 {ttft['probe_under_load']['p50'] * 1e3:.1f} "
-        f"ms, p95 {ttft['probe_under_load']['p95'] * 1e3:.1f} ms "
-        f"({ttft['probe_under_load']['n']} probes).",
-        f"- server steps during one concurrent run: {result['server_steps']['decode']} decode, "
-        f"{result['server_steps']['prefill']} prefill; largest batch "
-        f"{result['server_steps']['rows_max']} rows.",
-        f"- same texts in both runs: {result['same_texts']}.",
-        "",
+        f"{result['clients']} clients stream): p50 {probe['p50'] * 1e3:.1f} "
+        f"ms, p95 {probe['p95'] * 1e3:.1f} ms ({probe['n']} probes).",
+        f"- server steps during one concurrent run: {steps['decode']} decode, "
+        f"{steps['prefill']} prefill; largest batch {steps['rows_max']} rows.",
+        f"- same texts in both runs: {result['same_texts']}.", "",
     ]
     lines += sweep_markdown(result)
-    lines += [
-        "Targets and checks: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
-                                           for k, v in result["targets_met"].items()),
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + ["Targets and checks: " + verdicts(result["targets_met"]), ""])
 
 
 def sweep_markdown(result):
@@ -306,46 +342,39 @@ def sweep_markdown(result):
         middle, low, high = (figure[k] * scale for k in ("median", "min", "max"))
         return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
-    lines = [
-        "## Sweep over concurrency",
-        "",
-        f"Each level: that many streaming requests sent at once, each a course prompt with "
-        f"{info['new_tokens']} new tokens (EOS ignored), against the same server process; "
-        f"median over {info['reps']} repetition(s), (min-max) in brackets. Inter-token latency "
-        f"(ITL): the time between two consecutive events of one stream, as the client reads "
-        f"them, over every stream of the run. Every request opens its own connection, so TTFT "
-        f"includes connecting. Plot: [server.png](server.png).",
-        "",
-        "| clients | wall time (s) | tokens | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | "
-        "ITL p50 (ms) | ITL p95 (ms) | server steps, decode / prefill | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in info["levels"]:
-        lines.append(
-            f"| {row['clients']} | {cell(row['wall_seconds'], digits=2)} | {row['tokens']:.0f} | "
-            f"{cell(row['tokens_per_second'], digits=0)} | "
-            f"{cell(row['ttft_p50_seconds'], 1e3)} | {cell(row['ttft_p95_seconds'], 1e3)} | "
-            f"{cell(row['itl_p50_seconds'], 1e3)} | {cell(row['itl_p95_seconds'], 1e3)} | "
-            f"{row['server_decode_steps']['median']:.0f} / "
-            f"{row['server_prefill_steps']['median']:.0f} | {len(row['errors'])} |")
-    lines.append("")
+    rows = [[row["clients"], cell(row["wall_seconds"], digits=2), f"{row['tokens']:.0f}",
+             cell(row["tokens_per_second"], digits=0), cell(row["ttft_p50_seconds"], 1e3),
+             cell(row["ttft_p95_seconds"], 1e3), cell(row["itl_p50_seconds"], 1e3),
+             cell(row["itl_p95_seconds"], 1e3),
+             f"{row['server_decode_steps']['median']:.0f} / "
+             f"{row['server_prefill_steps']['median']:.0f}", len(row["errors"])]
+            for row in info["levels"]]
     first, last = info["levels"][0], info["levels"][-1]
 
     def ratio(key):
         below = first[key]["median"]
         return last[key]["median"] / below if below else float("nan")
 
-    lines.append(
+    lines = [
+        "## Sweep over concurrency", "",
+        f"Each level: that many streaming requests sent at once, each a course prompt with "
+        f"{info['new_tokens']} new tokens (EOS ignored), against the same server process; "
+        f"median over {info['reps']} repetition(s), (min-max) in brackets. Inter-token latency "
+        f"(ITL): the time between two consecutive events of one stream, as the client reads "
+        f"them, over every stream of the run. Every request opens its own connection, so TTFT "
+        f"includes connecting. Plot: [server.png](server.png).", "",
+        *markdown_table(["clients", "wall time (s)", "tokens", "tokens/s", "TTFT p50 (ms)",
+                         "TTFT p95 (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
+                         "server steps, decode / prefill", "failed"], rows), "",
         f"- {last['clients']} clients vs {first['clients']}: {ratio('tokens_per_second'):.1f}x "
         f"the tokens/s; TTFT p50 {ratio('ttft_p50_seconds'):.1f}x, ITL p50 "
         f"{ratio('itl_p50_seconds'):.1f}x. Largest batch the server ran: {info['rows_max']} "
-        f"rows.")
+        f"rows."]
     failures = [(row["clients"], e) for row in info["levels"] for e in row["errors"]]
     if failures:
         lines.append(f"- failed requests: {len(failures)}; first: {failures[0][1]} "
                      f"({failures[0][0]} clients).")
-    lines.append("")
-    return lines
+    return lines + [""]
 
 
 def levels_argument(text):
@@ -358,7 +387,7 @@ def levels_argument(text):
     return levels
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="1 repetition of each part instead of 3 (16-request runs) "
@@ -385,79 +414,48 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
-    reps = args.reps or (1 if args.quick else 3)
-    sweep_reps = args.sweep_reps or (1 if args.quick else 5)
-    if min(reps, sweep_reps, args.clients, args.new_tokens, args.sweep_new_tokens) < 1:
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.sweep_reps = args.sweep_reps or (1 if args.quick else 5)
+    if min(args.reps, args.sweep_reps, args.clients, args.new_tokens, args.sweep_new_tokens) < 1:
         parser.error("--reps, --sweep-reps, --clients, --new-tokens and --sweep-new-tokens "
                      "must be at least 1")
-    jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
-    most_clients = max(args.clients, *args.levels)
-    max_batch_size = args.max_batch_size or most_clients + 4
+    args.max_batch_size = args.max_batch_size or max(args.clients, *args.levels) + 4
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
     import torch
     import transformers
 
     started = time.perf_counter()
     result = {
-        "model": args.model or "bundled", "reps": reps, "threads": args.threads,
-        "clients": args.clients, "new_tokens": args.new_tokens, "max_batch_size": max_batch_size,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "model": args.model or "bundled", "reps": args.reps, "threads": args.threads,
+        "clients": args.clients, "new_tokens": args.new_tokens,
+        "max_batch_size": args.max_batch_size, "load_average": load_average(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
     print("starting the server ...", flush=True)
     with serve_in_background(args.model, name="bench-server", threads=args.threads,
-                             max_batch_size=max_batch_size, max_queue=4 * most_clients,
+                             max_batch_size=args.max_batch_size,
+                             max_queue=4 * max(args.clients, *args.levels),
                              device=args.device) as url:
         asyncio.run(one_after_another(url, jobs[:2]))        # warm-up
-        seq_runs, con_runs, ttft_idle, ttft_load, probes = [], [], [], [], []
-        texts_seq = texts_con = None
-        for rep in range(reps):
-            print(f"repetition {rep + 1}/{reps}: one after another ...", flush=True)
-            results, seconds = asyncio.run(one_after_another(url, jobs))
-            seq_runs.append((sum(r["tokens"] for r in results), seconds))
-            ttft_idle += [r["ttft"] for r in results]
-            texts_seq = [r["text"] for r in results]
-            print(f"repetition {rep + 1}/{reps}: {args.clients} concurrent ...", flush=True)
-            before = metrics(url)
-            results, seconds, probe = asyncio.run(concurrently(url, jobs))
-            after = metrics(url)
-            con_runs.append((sum(r["tokens"] for r in results), seconds))
-            ttft_load += [r["ttft"] for r in results]
-            texts_con = [r["text"] for r in results]
-            # A separate concurrent run with probes, not counted in the tokens/s.
-            if args.probes:
-                _, _, probe = asyncio.run(concurrently(url, jobs, probes=args.probes))
-            probes += probe
-        sweep_table = sweep(url, args.levels, args.sweep_new_tokens, sweep_reps)
+        seen = one_by_one_and_at_once(url, jobs, args.reps, args.probes)
+        sweep_table = sweep(url, args.levels, args.sweep_new_tokens, args.sweep_reps)
         rows_max = int(metrics(url).get("rows_max", 0))
-    rate = [tokens / seconds for tokens, seconds in seq_runs]
-    con_rate = [tokens / seconds for tokens, seconds in con_runs]
-    pick = statistics.median
-    result["one_after_another"] = {
-        "seconds": pick(s for _, s in seq_runs), "tokens": seq_runs[0][0],
-        "tokens_per_second": pick(rate), "runs_tokens_per_second": [round(r, 1) for r in rate]}
-    result["concurrent"] = {
-        "seconds": pick(s for _, s in con_runs), "tokens": con_runs[0][0],
-        "tokens_per_second": pick(con_rate),
-        "runs_tokens_per_second": [round(r, 1) for r in con_rate]}
-    result["speedup"] = pick(con_rate) / pick(rate)
-    result["speedup_per_run"] = [round(c / s, 2) for c, s in zip(con_rate, rate)]
-    result["ttft_seconds"] = {"idle": summary(ttft_idle), "under_load": summary(ttft_load),
-                              "probe_under_load": summary(probes) if probes else
-                              {"p50": float("nan"), "p95": float("nan"), "n": 0}}
-    result["server_steps"] = {**steps_between(before, after), "rows_max": int(after.get(
-        "rows_max", 0))}
-    result["same_texts"] = texts_seq == texts_con
-    result["sweep"] = {"new_tokens": args.sweep_new_tokens, "reps": sweep_reps,
-                       "rows_max": rows_max, "levels": sweep_table}
+    result.update(summarise(seen), sweep={"new_tokens": args.sweep_new_tokens,
+                                          "reps": args.sweep_reps, "rows_max": rows_max,
+                                          "levels": sweep_table})
     result["targets_met"] = {f"concurrent >= {TARGETS['speedup']}x tokens/s":
                              result["speedup"] >= TARGETS["speedup"],
                              "same texts": result["same_texts"],
                              "sweep requests all answered in full":
                              not any(row["errors"] for row in sweep_table)}
-    result["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["load_average_after"] = load_average()
     result["benchmark_seconds"] = time.perf_counter() - started
 
     plot(result, pathlib.Path(args.out) / "server.png")
@@ -465,6 +463,26 @@ def main(argv=None):
     print(f"plot: {pathlib.Path(args.out) / 'server.png'}; "
           f"{result['benchmark_seconds']:.0f} s in all")
     return 0 if all(result["targets_met"].values()) else 1
+
+
+def summarise(seen) -> dict:
+    """The figures of the 16-request runs, for the result."""
+    seq = tokens_per_second(seen, "one_after_another")
+    con = tokens_per_second(seen, "concurrent")
+    probes = seen["probes"]
+    return {
+        "one_after_another": seq, "concurrent": con,
+        "speedup": con["tokens_per_second"] / seq["tokens_per_second"],
+        "speedup_per_run": [round(c / s, 2) for c, s in zip(rates(seen, "concurrent"),
+                                                           rates(seen, "one_after_another"))],
+        "ttft_seconds": {"idle": summary(seen["ttft_idle"]),
+                         "under_load": summary(seen["ttft_load"]),
+                         "probe_under_load": summary(probes) if probes else
+                         {"p50": float("nan"), "p95": float("nan"), "n": 0}},
+        "server_steps": {**steps_between(seen["before"], seen["after"]),
+                         "rows_max": int(seen["after"].get("rows_max", 0))},
+        "same_texts": seen["texts"]["one_after_another"] == seen["texts"]["concurrent"],
+    }
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Where every benchmark leaves its figures: ``<name>.json`` (all numbers) and ``<name>.md``
-(the table the README links), side by side in one folder."""
+(the table the README links), side by side in one folder; and the pieces every report is
+written with (one table writer, the checks line, the machine)."""
 
 import json
 import pathlib
-import statistics
 
 
 def write_results(folder, name: str, result: dict, markdown: str) -> None:
@@ -31,11 +31,36 @@ def machine() -> str:
     return f"{name or 'unknown CPU'} ({platform.machine()}), {os.cpu_count()} cores"
 
 
-def spread(values) -> dict:
-    """Median, min and max of one figure over the repetitions, and the runs themselves."""
-    values = list(values)
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": [round(v, 6) for v in values]}
+def markdown_table(header: list[str], rows, align: str = "") -> list[str]:
+    """A markdown table, as lines: ``header`` holds the column titles, ``rows`` the cells
+    (strings, or anything ``str()`` turns into one), ``align`` one letter a column, "l" or
+    "r" (left or right; missing letters are "l")."""
+    align = align.ljust(len(header), "l")
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def verdicts(checks: dict[str, bool]) -> str:
+    """``checks`` as "name met, other MISSED", for the last line of a report."""
+    return ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in checks.items())
+
+
+def load_average() -> list[float] | None:
+    """The machine's load average (1, 5, 15 minutes), None where the system has none."""
+    import os
+
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def numbers(values, digits: int = 1) -> str:
+    """A load average (or any few numbers) as text: "1.2, 0.9, 0.7"."""
+    return ", ".join(f"{x:.{digits}f}" for x in values or [])
+
+
+def min_max(figure: dict, scale: float = 1.0, digits: int = 3) -> str:
+    """The spread of a figure (``timing.spread``) as "min-max"."""
+    return f"{figure['min'] * scale:.{digits}f}-{figure['max'] * scale:.{digits}f}"
 
 
 def pyplot():

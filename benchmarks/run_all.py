@@ -1,10 +1,13 @@
 """Run every benchmark of the course, then write one summary of their headline figures.
 
-    python benchmarks/run_all.py            # what `make bench` runs (about 15 minutes on 2 CPU cores)
-    python benchmarks/run_all.py --quick    # each benchmark's smoke run, into a scratch folder
-    python benchmarks/run_all.py --summary  # only rewrite the summary from the JSON files there
+    python -m benchmarks.run_all            # what `make bench` runs (about 15 minutes on 2 CPU cores)
+    python -m benchmarks.run_all --quick    # each benchmark's smoke run, into a scratch folder
+    python -m benchmarks.run_all --summary  # only rewrite the summary from the JSON files there
 
-Each benchmark is its own script (see the table below) and runs in its own process, one after
+(from the repository's root folder: ``benchmarks`` is a package there, and each benchmark
+imports its shared modules, ``benchmarks.timing`` and ``benchmarks.results_io``, from it).
+
+Each benchmark is its own module (see the table below) and runs in its own process, one after
 another, so that none of them shares the CPU with another. Each writes ``<name>.json``,
 ``<name>.md`` and its plots into the output folder; this script then writes ``README.md``
 there: the machine, how long each benchmark took, and every ratio beside the target an
@@ -25,13 +28,13 @@ import subprocess
 import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.results_io import machine, markdown_table
 
-from results_io import machine  # noqa: E402
+HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-#: script, the JSON/markdown name it writes, and what it covers.
+#: script, the JSON/markdown name it writes, and what it covers. (Each runs as the module
+#: ``benchmarks.<script without .py>``; the script's name labels its row in the summary.)
 BENCHMARKS = [
     ("bench_decoding.py", "decoding", "lesson 01: KV cache, torch.compile, roofline"),
     ("bench_batching.py", "bench_batching", "lessons 02-03: static and continuous batching"),
@@ -42,8 +45,9 @@ BENCHMARKS = [
 
 
 def run(script: str, out: pathlib.Path, quick: bool) -> dict:
-    """Run one benchmark script; return its exit status and wall time."""
-    command = [sys.executable, str(HERE / script), "--out", str(out)] + (["--quick"] if quick else [])
+    """Run one benchmark as a module; return its exit status and wall time."""
+    module = "benchmarks." + script.removesuffix(".py")
+    command = [sys.executable, "-m", module, "--out", str(out)] + (["--quick"] if quick else [])
     print(f"\n=== {script} ===", flush=True)
     start = time.perf_counter()
     status = subprocess.call(command, cwd=HERE.parent)
@@ -66,93 +70,99 @@ def headline_rows(out: pathlib.Path) -> list[tuple[str, str, str, str]]:
     def add(what, measured, target="", met=None):
         rows.append((what, measured, target, "" if met is None else ("met" if met else "**missed**")))
 
-    dec = _load(out, "decoding")
-    if dec:
-        for r in dec["kv_cache"]:
-            add(f"KV cache vs no cache, {r['new_tokens']} new tokens (time ratio)",
-                _x(r["speedup"]))
-        for r in dec.get("compile", []):
-            add(f"torch.compile'd decode step vs eager, batch {r['batch']} (compile "
-                f"{r['compile_seconds']:.0f} s apart)", _x(r["eager_over_compiled"]))
-        roof = dec["roofline"]
-        for name, info in roof["models"].items():
-            first = info["rows"][0]
-            add(f"{name}, batch 1: measured tokens/s / this CPU's bound",
-                f"{first['measured_over_bound']:.0%}")
-    bat = _load(out, "bench_batching")
-    if bat:
-        q = bat["course_queue"]
-        add("continuous vs static, course queue (time ratio)", _x(q["speedup"]), ">= 3.0x",
-            q["speedup"] >= 3.0)
-        add("decode steps / ideal bound, course queue", f"{q['steps_over_ideal']:.3f}", "<= 1.15",
-            q["steps_over_ideal"] <= 1.15)
-        g = bat["generate"]
-        add("our batched decode / `model.generate` (time)", _x(g["ours_over_generate"]),
-            "<= 1.2x", g["ours_over_generate"] <= 1.2)
-        if "generate_batch" in bat:
-            add("our continuous batching / transformers `generate_batch`, course queue (time)",
-                _x(bat["generate_batch"]["ours_over_generate_batch"]))
-        lt = bat.get("long_tail")
-        if lt:
-            d = lt["drivers"]
-            add(f"continuous vs static, {d['requests']} long-tailed requests", _x(d["speedup"]))
-            add("decode steps / ideal bound, long-tailed queue", f"{d['steps_over_ideal']:.3f}",
-                "<= 1.15", d["steps_over_ideal"] <= 1.15)
-            if "generate_batch" in lt:
-                add("our continuous batching / `generate_batch`, long-tailed queue (time)",
-                    _x(lt["generate_batch"]["ours_over_generate_batch"]))
-    quant = _load(out, "quantization")
-    if quant:
-        by_name = {r["variant"]: r for r in quant["rows"]}
-        fp32 = by_name["fp32"]
-        tensor = by_name.get("uint8 per-tensor")
-        if tensor:
-            add("uint8 per-tensor footprint / fp32", f"{tensor['ratio_to_fp32']:.4f}", "<= 0.27",
-                tensor["ratio_to_fp32"] <= 0.27)
-            add("perplexity fp32 → uint8 per-tensor",
-                f"{fp32['perplexity']:.4f} → {tensor['perplexity']:.4f}")
-        ao = next((r for n, r in by_name.items() if n.startswith("torchao int8")), None)
-        if ao:
-            add("torchao int8 weight-only footprint / fp32", f"{ao['ratio_to_fp32']:.4f}")
-            if "fp32_over_this" in ao:
-                add("torchao int8 weight-only decode speed vs fp32", _x(ao["fp32_over_this"]))
-    lora = _load(out, "lora")
-    if lora:
-        toys = [(lora["machine"]["threads"], lora["toy"])]
-        if "toy_all_cores" in lora:
-            toys.append((lora["toy_all_cores"]["threads"], lora["toy_all_cores"]["rows"]))
-        for threads, toy in toys:
-            at_64 = [r for r in toy if r["batch"] == 64]
-            if at_64:
-                add(f"gathered vs loop, toy model, batch 64, 64 adapters, {threads} thread(s) "
-                    "(time ratio)", _x(at_64[0]["lora_ratio"]), ">= 5x",
-                    at_64[0]["lora_ratio"] >= 5)
-        real = lora.get("real")
-        if real:
-            add(f"ours vs peft mixed batch, shipped adapters ({len(real['adapters'])} + none), "
-                f"batch {real['batch']} (time ratio)", _x(real["peft_over_ours_total_s"]),
-                ">= 2x", real["peft_over_ours_total_s"] >= 2)
-            add("  ceiling of that ratio: peft / base model with no adapters",
-                _x(real["peft_over_base_total_s"]))
-        grid = lora.get("real_grid", {})
-        for cell in grid.get("cells", []):
-            if cell["batch"] == 32 and cell["distinct"] in (4, 32):
-                add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct of "
-                    f"{grid['adapters']} loaded random adapters (time ratio)",
-                    _x(cell["peft_over_ours"]))
-        for cell in grid.get("few_loaded", []):
-            if cell["batch"] == 32:
-                add(f"the same with only those {cell['peft_adapters_loaded']} adapters loaded in "
-                    "peft", _x(cell["peft_over_ours"]))
-    server = _load(out, "bench_server")
-    if server:
-        add(f"server: {server['clients']} concurrent streams vs one after another (tokens/s)",
-            _x(server["speedup"]), ">= 4x", server["speedup"] >= 4)
-        for level in server.get("sweep", {}).get("levels", []):
-            add(f"server: {level['clients']} concurrent clients, tokens/s (TTFT p50)",
-                f"{level['tokens_per_second']['median']:.0f} "
-                f"({level['ttft_p50_seconds']['median'] * 1e3:.0f} ms)")
+    for name, figures in (("decoding", decoding_rows), ("bench_batching", batching_rows),
+                          ("quantization", quantization_rows), ("lora", lora_rows),
+                          ("bench_server", server_rows)):
+        result = _load(out, name)
+        if result:
+            figures(result, add)
     return rows
+
+
+def decoding_rows(dec, add) -> None:
+    for r in dec["kv_cache"]:
+        add(f"KV cache vs no cache, {r['new_tokens']} new tokens (time ratio)", _x(r["speedup"]))
+    for r in dec.get("compile", []):
+        add(f"torch.compile'd decode step vs eager, batch {r['batch']} (compile "
+            f"{r['compile_seconds']:.0f} s apart)", _x(r["eager_over_compiled"]))
+    for name, info in dec["roofline"]["models"].items():
+        add(f"{name}, batch 1: measured tokens/s / this CPU's bound",
+            f"{info['rows'][0]['measured_over_bound']:.0%}")
+
+
+def batching_rows(bat, add) -> None:
+    q, g = bat["course_queue"], bat["generate"]
+    add("continuous vs static, course queue (time ratio)", _x(q["speedup"]), ">= 3.0x",
+        q["speedup"] >= 3.0)
+    add("decode steps / ideal bound, course queue", f"{q['steps_over_ideal']:.3f}", "<= 1.15",
+        q["steps_over_ideal"] <= 1.15)
+    add("our batched decode / `model.generate` (time)", _x(g["ours_over_generate"]),
+        "<= 1.2x", g["ours_over_generate"] <= 1.2)
+    if "generate_batch" in bat:
+        add("our continuous batching / transformers `generate_batch`, course queue (time)",
+            _x(bat["generate_batch"]["ours_over_generate_batch"]))
+    lt = bat.get("long_tail")
+    if lt:
+        d = lt["drivers"]
+        add(f"continuous vs static, {d['requests']} long-tailed requests", _x(d["speedup"]))
+        add("decode steps / ideal bound, long-tailed queue", f"{d['steps_over_ideal']:.3f}",
+            "<= 1.15", d["steps_over_ideal"] <= 1.15)
+        if "generate_batch" in lt:
+            add("our continuous batching / `generate_batch`, long-tailed queue (time)",
+                _x(lt["generate_batch"]["ours_over_generate_batch"]))
+
+
+def quantization_rows(quant, add) -> None:
+    by_name = {r["variant"]: r for r in quant["rows"]}
+    fp32 = by_name["fp32"]
+    tensor = by_name.get("uint8 per-tensor")
+    if tensor:
+        add("uint8 per-tensor footprint / fp32", f"{tensor['ratio_to_fp32']:.4f}", "<= 0.27",
+            tensor["ratio_to_fp32"] <= 0.27)
+        add("perplexity fp32 → uint8 per-tensor",
+            f"{fp32['perplexity']:.4f} → {tensor['perplexity']:.4f}")
+    ao = next((r for n, r in by_name.items() if n.startswith("torchao int8")), None)
+    if ao:
+        add("torchao int8 weight-only footprint / fp32", f"{ao['ratio_to_fp32']:.4f}")
+        if "fp32_over_this" in ao:
+            add("torchao int8 weight-only decode speed vs fp32", _x(ao["fp32_over_this"]))
+
+
+def lora_rows(lora, add) -> None:
+    toys = [(lora["machine"]["threads"], lora["toy"])]
+    if "toy_all_cores" in lora:
+        toys.append((lora["toy_all_cores"]["threads"], lora["toy_all_cores"]["rows"]))
+    for threads, toy in toys:
+        at_64 = [r for r in toy if r["batch"] == 64]
+        if at_64:
+            add(f"gathered vs loop, toy model, batch 64, 64 adapters, {threads} thread(s) "
+                "(time ratio)", _x(at_64[0]["lora_ratio"]), ">= 5x", at_64[0]["lora_ratio"] >= 5)
+    real = lora.get("real")
+    if real:
+        add(f"ours vs peft mixed batch, shipped adapters ({len(real['adapters'])} + none), "
+            f"batch {real['batch']} (time ratio)", _x(real["peft_over_ours_total_s"]),
+            ">= 2x", real["peft_over_ours_total_s"] >= 2)
+        add("  ceiling of that ratio: peft / base model with no adapters",
+            _x(real["peft_over_base_total_s"]))
+    grid = lora.get("real_grid", {})
+    for cell in grid.get("cells", []):
+        if cell["batch"] == 32 and cell["distinct"] in (4, 32):
+            add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct of "
+                f"{grid['adapters']} loaded random adapters (time ratio)",
+                _x(cell["peft_over_ours"]))
+    for cell in grid.get("few_loaded", []):
+        if cell["batch"] == 32:
+            add(f"the same with only those {cell['peft_adapters_loaded']} adapters loaded in "
+                "peft", _x(cell["peft_over_ours"]))
+
+
+def server_rows(server, add) -> None:
+    add(f"server: {server['clients']} concurrent streams vs one after another (tokens/s)",
+        _x(server["speedup"]), ">= 4x", server["speedup"] >= 4)
+    for level in server.get("sweep", {}).get("levels", []):
+        add(f"server: {level['clients']} concurrent clients, tokens/s (TTFT p50)",
+            f"{level['tokens_per_second']['median']:.0f} "
+            f"({level['ttft_p50_seconds']['median'] * 1e3:.0f} ms)")
 
 
 def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
@@ -163,23 +173,21 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
     meta = json.loads(timing_path.read_text()) if timing_path.exists() else {}
     lines = [
         "# Benchmark results", "",
-        f"Run by `make bench` (`python benchmarks/run_all.py`) on {meta.get('machine', '?')}, "
+        f"Run by `make bench` (`python -m benchmarks.run_all`) on {meta.get('machine', '?')}, "
         f"{meta.get('date', '?')}; torch threads: see each benchmark (one, as in the lessons, "
         "unless it says otherwise). No GPU was used. Every ratio was measured side by side in "
         "one run, over several repetitions (medians; each benchmark's page has the spread).", "",
     ]
     if runs:
-        total = sum(r["seconds"] for r in runs)
-        lines += ["| benchmark | covers | wall time | exit |", "|---|---|---:|---|"]
         covers = {script: what for script, _, what in BENCHMARKS}
         names = {script: name for script, name, _ in BENCHMARKS}
-        for r in runs:
-            lines.append(f"| [{r['script']}]({names[r['script']]}.md) | {covers[r['script']]} | "
-                         f"{r['seconds']:.0f} s | {'ok' if r['status'] == 0 else 'status ' + str(r['status'])} |")
-        lines += [f"| **all** | | **{total / 60:.1f} min** | |", ""]
-    lines += ["## Headline figures", "",
-              "| figure | measured | target | |", "|---|---:|---:|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in headline_rows(out)]
+        rows = [[f"[{r['script']}]({names[r['script']]}.md)", covers[r["script"]],
+                 f"{r['seconds']:.0f} s", "ok" if r["status"] == 0 else f"status {r['status']}"]
+                for r in runs]
+        rows.append(["**all**", "", f"**{sum(r['seconds'] for r in runs) / 60:.1f} min**", ""])
+        lines += markdown_table(["benchmark", "covers", "wall time", "exit"], rows, "llrl") + [""]
+    lines += ["## Headline figures", ""]
+    lines += markdown_table(["figure", "measured", "target", ""], headline_rows(out), "lrrl")
     plots = sorted(p.name for p in out.glob("*.png"))
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

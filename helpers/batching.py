@@ -580,10 +580,23 @@ def transformers_generate_batch(model, tokenizer, requests: list[Request],
     config = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in requests),
                               eos_token_id=tokenizer.eos_token_id if stop_at_eos else [],
                               pad_token_id=_pad_id(tokenizer))
-    # Enough cache pages for every request at its full length, and room for every prompt in
-    # one forward pass.
+    manager = _batching_manager(model, config, token_lists, [m for _, m in requests], batch_size)
+    manager.start()
+    try:
+        for rid, (ids, (_, max_tokens)) in enumerate(zip(token_lists, requests)):
+            manager.add_request(ids, request_id=f"request-{rid}", max_new_tokens=max_tokens)
+        return _collect_answers(manager, tokenizer, len(requests), stop_at_eos, timeout, progress)
+    finally:
+        manager.stop(block=True)
+
+
+def _batching_manager(model, config, token_lists: list[list[int]], max_tokens: list[int],
+                      batch_size: int | None):
+    """transformers' continuous-batching manager (not started yet), its paged KV cache sized
+    for these requests: enough pages for every request at its full length, and room for
+    every prompt in one forward pass."""
     page = 64
-    pages = sum(math.ceil((len(ids) + m) / page) for ids, (_, m) in zip(token_lists, requests))
+    pages = sum(math.ceil((len(ids) + m) / page) for ids, m in zip(token_lists, max_tokens))
     sizes = {"num_blocks": pages + 1,
              "max_batch_tokens": max(256, sum(len(ids) for ids in token_lists))}
     try:
@@ -592,37 +605,36 @@ def transformers_generate_batch(model, tokenizer, requests: list[Request],
         ContinuousBatchingConfig = None
     if ContinuousBatchingConfig is not None:
         extra = {"max_requests_per_batch": batch_size} if batch_size else {}
-        manager = model.init_continuous_batching(
+        return model.init_continuous_batching(
             generation_config=config,
             continuous_batching_config=ContinuousBatchingConfig(page_size=page, **sizes, **extra))
-    else:                                                    # transformers 4.5x
-        for name, value in dict(sizes, block_size=page).items():
-            setattr(config, name, value)
-        if model.device.type == "cpu":
-            raise RuntimeError("transformers < 5 runs its continuous batching on a GPU only; "
-                               "upgrade transformers or use a CUDA device")
-        manager = model.init_continuous_batching(generation_config=config)
-    answers = [None] * len(requests)
-    manager.start()
-    try:
-        for rid, (ids, (_, max_tokens)) in enumerate(zip(token_lists, requests)):
-            manager.add_request(ids, request_id=f"request-{rid}", max_new_tokens=max_tokens)
-        deadline = time.perf_counter() + timeout
-        with _progress(progress, len(requests), "transformers generate_batch") as bar:
-            while any(answer is None for answer in answers):
-                if time.perf_counter() > deadline or not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching stopped before answering "
-                                       "every request")
-                result = manager.get_result(timeout=1)
-                if result is None or not _finished(result):
-                    continue
-                tokens = list(result.generated_tokens)
-                if stop_at_eos and tokenizer.eos_token_id in tokens:
-                    tokens = tokens[:tokens.index(tokenizer.eos_token_id)]
-                answers[int(result.request_id.split("-")[1])] = tokenizer.decode(tokens)
-                bar.update(1)
-    finally:
-        manager.stop(block=True)
+    for name, value in dict(sizes, block_size=page).items():  # transformers 4.5x
+        setattr(config, name, value)
+    if model.device.type == "cpu":
+        raise RuntimeError("transformers < 5 runs its continuous batching on a GPU only; "
+                           "upgrade transformers or use a CUDA device")
+    return model.init_continuous_batching(generation_config=config)
+
+
+def _collect_answers(manager, tokenizer, count: int, stop_at_eos: bool, timeout: float,
+                     progress: bool) -> list[str]:
+    """Wait for the running manager to finish requests ``request-0`` .. ``request-<count-1>``;
+    their texts in request order (without the EOS and what follows, with ``stop_at_eos``)."""
+    answers = [None] * count
+    deadline = time.perf_counter() + timeout
+    with _progress(progress, count, "transformers generate_batch") as bar:
+        while any(answer is None for answer in answers):
+            if time.perf_counter() > deadline or not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before answering "
+                                   "every request")
+            result = manager.get_result(timeout=1)
+            if result is None or not _finished(result):
+                continue
+            tokens = list(result.generated_tokens)
+            if stop_at_eos and tokenizer.eos_token_id in tokens:
+                tokens = tokens[:tokens.index(tokenizer.eos_token_id)]
+            answers[int(result.request_id.split("-")[1])] = tokenizer.decode(tokens)
+            bar.update(1)
     return answers
 
 

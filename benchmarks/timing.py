@@ -1,0 +1,130 @@
+"""How every benchmark times things.
+
+``time_in_turns`` runs a few untimed warm-up rounds, then the timed repetitions. When it
+times several candidates (the two sides of a ratio, say), each round runs every candidate
+once, in turn: a change of load on the machine then hits all of them alike, and the ratio
+of one round compares runs made under the same conditions. It returns every sample, so a
+benchmark can report the median and the spread (``spread``), together with the number of
+torch threads the samples were taken with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Candidate:
+    """One thing to time.
+
+    ``run`` is what the clock measures. ``prepare`` (None: nothing) runs untimed before every
+    run, e.g. to put a cache back as it was. ``clock`` is for a function that times itself
+    (its own stopwatch leaves out set-up that is not the question): it takes the seconds
+    from what ``run`` returned, instead of the wall clock around the call.
+    """
+
+    run: Callable[[], Any]
+    prepare: Callable[[], Any] | None = None
+    clock: Callable[[Any], float] | None = None
+
+
+@dataclass
+class Timings:
+    """What ``time_in_turns`` measured."""
+
+    seconds: dict[str, list[float]]  # per candidate: one sample per timed repetition
+    last: dict[str, Any]             # what each candidate's run returned the last time
+    threads: int                     # torch threads while timing
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+    def spread(self, name: str) -> dict:
+        return spread(self.seconds[name], self.threads)
+
+    def ratio_per_run(self, over: str, under: str, digits: int) -> list[float]:
+        """``over`` / ``under`` for each repetition (both ran in the same round)."""
+        return [round(a / b, digits) for a, b in zip(self.seconds[over], self.seconds[under])]
+
+
+def spread(values, threads: int | None = None) -> dict:
+    """Median, min and max of one figure over the repetitions, the runs themselves, and the
+    torch threads they ran with (when given)."""
+    values = list(values)
+    result = {"median": statistics.median(values), "min": min(values), "max": max(values),
+              "runs": [round(v, 6) for v in values]}
+    if threads is not None:
+        result["threads"] = threads
+    return result
+
+
+def synchronize(device) -> None:
+    """Wait for the GPU to finish its queued work (a no-op on the CPU), so timings are real."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_in_turns(candidates: dict[str, Candidate | Callable[[], Any]], repeats: int,
+                  warmup: int = 1, number: int = 1, device="cpu",
+                  progress: str | None = None) -> Timings:
+    """Time each candidate ``repeats`` times, taking turns, after ``warmup`` untimed rounds.
+
+    ``candidates``: ``{name: Candidate}`` or ``{name: function}`` (a function is a Candidate
+    with nothing to prepare, on the wall clock). With ``number`` > 1 a sample is the mean of
+    that many calls in a row (for calls too short for one clock reading). ``progress``
+    prints a line before each timed run, starting with that text.
+    """
+    if repeats < 1 or warmup < 0 or number < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0 and number >= 1, got {repeats}, "
+                         f"{warmup} and {number}")
+    candidates = {name: c if isinstance(c, Candidate) else Candidate(c)
+                  for name, c in candidates.items()}
+    if number > 1 and any(c.clock for c in candidates.values()):
+        raise ValueError("a candidate with its own clock is timed one call at a time (number=1)")
+    seconds = {name: [] for name in candidates}
+    last = {}
+    for repetition in range(warmup + repeats):
+        timed = repetition >= warmup
+        for name, candidate in candidates.items():
+            if progress and timed:
+                print(f"{progress} repetition {repetition - warmup + 1}/{repeats}: {name} ...",
+                      flush=True)
+            sample, last[name] = _sample(candidate, number, device)
+            if timed:
+                seconds[name].append(sample)
+    return Timings(seconds, last, torch.get_num_threads())
+
+
+def _sample(candidate: Candidate, number: int, device) -> tuple[float, Any]:
+    """One timed sample of ``candidate``: (seconds per call, what its last call returned)."""
+    if candidate.prepare is not None:
+        candidate.prepare()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(number):
+        result = candidate.run()
+    synchronize(device)
+    wall = (time.perf_counter() - start) / number
+    return (candidate.clock(result) if candidate.clock else wall), result
+
+
+def calls_per_sample(fn: Callable[[], Any], at_least_s: float = 5e-4) -> int:
+    """How many calls of ``fn`` make one timing sample of at least ``at_least_s`` seconds
+    (a single call of a few microseconds is below what one clock reading can resolve)."""
+    once = time_in_turns({"once": fn}, repeats=1).seconds["once"][0]
+    return max(1, int(at_least_s / max(once, 1e-7)) + 1)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Crop a ``DynamicCache`` back to ``length`` positions, so that every timed step sees the
+    same cache. (transformers 5: ``crop(-n)`` removes the last n positions.)"""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise RuntimeError(f"the cache holds {cache.get_seq_length()} positions, fewer than "
+                           f"the {length} to crop it to")
+    cache.crop(-extra)
