@@ -3,6 +3,8 @@
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
+#   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
+#   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
 #   make wheelhouse   download every wheel into wheelhouse/ for a room with no network;
 #                     then `make lab PIP_OPTS="--no-index --find-links wheelhouse"` there
 
@@ -16,6 +18,11 @@ STAMP_TF4   := $(VENV_TF4)/.installed
 # Colab's widget stack (ipywidgets 7.7.1, IPython 7.34): the widgets must work there too
 VENV_COLAB  ?= .venv-colab
 STAMP_COLAB := $(VENV_COLAB)/.installed
+# make test-pythons: the unit tests under the oldest Python the package supports and Colab's
+PYTHON310   ?= python3.10
+PYTHON312   ?= python3.12
+VENV_310    ?= .venv-py310
+VENV_312    ?= .venv-py312
 PORT        ?= 8888
 PIP_OPTS    ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
@@ -29,7 +36,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab test test-browser unit nbval compat bench execute sync-notebooks images model wheelhouse clean
+.PHONY: lab test test-browser test-gpu test-pythons unit nbval compat bench execute sync-notebooks images model wheelhouse clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +58,12 @@ test-browser: $(STAMP)
 	sh scripts/browser_setup.sh
 	$(PY) -m pytest -p no:cacheprovider tests/browser -q
 
+# Needs an NVIDIA GPU and a CUDA build of torch (PyPI's torch wheel on Linux is one); exits
+# with status 2 and a message when there is no CUDA device. Not part of `make test`: CI has
+# no GPU. The lessons run from copies (results/gpu/), never in place.
+test-gpu: $(STAMP)
+	$(PY) scripts/run_lessons_gpu.py --report docs/gpu-run.md
+
 $(STAMP_TF4): constraints-tf4.txt
 	@test -x $(VENV_TF4)/bin/python || $(PYTHON) -m venv $(VENV_TF4)
 	$(VENV_TF4)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
@@ -64,12 +77,37 @@ $(STAMP_COLAB): constraints-colab.txt
 	    -c constraints-colab.txt ipywidgets ipython ipykernel matplotlib nbclient nbformat pytest
 	@touch $@
 
+# The pins of constraints.txt need Python 3.11+ (transformers 5.23, IPython 9, NumPy 2.4), so
+# 3.10 gets the package's own ranges (pip picks what supports 3.10) with the same torch; 3.12
+# gets the pins. On Linux PyPI's torch is the CUDA build: the first run downloads ~3 GB per
+# Python (PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu" for CPU wheels).
+$(VENV_310)/.installed: pyproject.toml
+	@test -x $(VENV_310)/bin/python || $(PYTHON310) -m venv $(VENV_310)
+	$(VENV_310)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    -e ".[dev]" torch==2.13.0
+	$(VENV_310)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) --no-deps lorax-client==0.6.3
+	@touch $@
+
+$(VENV_312)/.installed: pyproject.toml constraints.txt
+	@test -x $(VENV_312)/bin/python || $(PYTHON312) -m venv $(VENV_312)
+	$(VENV_312)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    -c constraints.txt -e ".[dev]"
+	$(VENV_312)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt --no-deps lorax-client
+	@touch $@
+
+# Both run even when the first fails; the target fails if either did.
+test-pythons: $(VENV_310)/.installed $(VENV_312)/.installed
+	@status=0; for venv in $(VENV_310) $(VENV_312); do \
+	    echo "== $$($$venv/bin/python --version)"; \
+	    $$venv/bin/python -m pytest -p no:cacheprovider -q tests --ignore=tests/compat || status=1; \
+	done; exit $$status
+
 compat: $(STAMP_TF4) $(STAMP_COLAB)
 	PYTHONPATH=. $(VENV_TF4)/bin/python -m pytest -p no:cacheprovider -q tests/test_batching.py
 	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat
@@ -96,4 +134,4 @@ wheelhouse:
 	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse --no-deps lorax-client
 
 clean:
-	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) $(VENV_310) $(VENV_312) .pytest_cache build *.egg-info

@@ -6,15 +6,23 @@ The repository's public address is read from pyproject.toml ([project.urls] Repo
 
 import pathlib
 import re
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:     # Python 3.10: the same parser, as a package (the dev extra)
+    import tomli as tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def pyproject() -> dict:
+    """pyproject.toml, parsed."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
 def repo_url() -> str:
     """The course's public address, from pyproject.toml."""
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return data["project"]["urls"]["Repository"].rstrip("/")
+    return pyproject()["project"]["urls"]["Repository"].rstrip("/")
 
 
 def github_path(url: str) -> str:
@@ -39,17 +47,32 @@ def binder_badge(url: str | None = None) -> str:
 
 
 COLAB_CELL = '''\
-# Colab setup: on Google Colab this fetches the course and installs only what Colab lacks
-# (torch, matplotlib and ipywidgets are kept as Colab ships them). Elsewhere it does nothing.
+# Colab setup: on Google Colab this fetches the course and installs what Colab lacks. The
+# packages Colab ships (torch, transformers, torchao, matplotlib, ipywidgets, ...) keep their
+# versions: an upgrade under a running kernel breaks it. Elsewhere this cell does nothing.
 import os, subprocess, sys
 REPO_URL = "{url}"
 if "google.colab" in sys.modules:
+    from importlib.metadata import distributions, version
     repo = "/content/course"
     if not os.path.isdir(repo):
         subprocess.run(["git", "clone", "--quiet", "--depth", "1", REPO_URL, repo], check=True)
-    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
-    subprocess.run(pip + [repo + "[quant]"], check=True)
+    def installed():   # name -> version of every package in the runtime
+        return {{(d.metadata["Name"] or "").lower().replace("_", "-"): d.version
+                for d in distributions()}}
+    before = installed()
+    keep = ["torch", "torchvision", "torchaudio", "torchao", "transformers", "tokenizers",
+            "safetensors", "huggingface-hub", "accelerate", "peft", "numpy", "matplotlib",
+            "ipywidgets", "ipython", "ipykernel"]
+    pins = [f"{{name}}=={{version(name)}}" for name in keep if name in before]
+    with open(os.path.join(repo, "colab-constraints.txt"), "w") as f:
+        f.write("\\n".join(pins))              # pip may add packages but not change these
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "-c", f.name]
+    extra = "" if "torchao" in before else "[quant]"   # Colab's own torchao when it has one
+    subprocess.run(pip + [repo + extra], check=True)
     subprocess.run(pip + ["--no-deps", "lorax-client==0.6.3"], check=True)  # its pins clash
+    added = [f"{{n}} {{v}}" for n, v in sorted(installed().items()) if before.get(n) != v]
+    print(f"Installed {{', '.join(added) or 'nothing'}}; kept Colab's {{', '.join(pins)}}.")
     sys.path.insert(0, repo)
     os.chdir(os.path.join(repo, "lessons"))'''
 

@@ -1,17 +1,17 @@
 """The set-up files agree with each other and the lessons with the shared pieces."""
 
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from notebook_setup import colab_badge, colab_cell, repo_url  # noqa: E402
+from notebook_setup import colab_badge, colab_cell, pyproject, repo_url  # noqa: E402
 
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 
@@ -21,7 +21,7 @@ def _name(requirement: str) -> str:
 
 
 def _pyproject():
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return pyproject()
 
 
 def test_environment_yml_names_the_same_packages_as_pyproject():
@@ -81,3 +81,15 @@ def test_sync_script_finds_nothing_to_change():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "sync_notebooks.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gpu_run_stops_with_a_message_when_there_is_no_cuda_device(tmp_path):
+    """`make test-gpu` on a machine without CUDA (CI, this laptop): exit status 2, a sentence
+    that says why, and no lesson run, no report written."""
+    report = tmp_path / "gpu-run.md"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")     # hides any GPU from torch
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_lessons_gpu.py"),
+                             "--report", str(report)], capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("No CUDA device: ") and "nothing was run" in result.stderr
+    assert result.stdout == "" and not report.exists()
