@@ -56,7 +56,7 @@ def decoder_flow():
     arrow(ax, 2.75, 1.8, 2.75, 2.1)
     box(ax, 0.3, 2.1, 4.9, 0.9, "N decoder blocks\n(causal self-attention + MLP)", BLUE, size=10)
     arrow(ax, 2.75, 3.0, 2.75, 3.3)
-    box(ax, 0.3, 3.3, 4.9, 0.6, "logits: (batch, sequence, vocabulary)", ORANGE, size=9)
+    box(ax, 0.3, 3.3, 4.9, 0.6, "lm_head → logits: (batch, sequence, vocabulary)", ORANGE, size=9)
     arrow(ax, 5.2, 3.6, 6.0, 3.6)
     box(ax, 6.0, 3.2, 3.7, 0.8, "last position only:\nargmax → ' mainly'", ORANGE, size=10, weight="bold")
     arrow(ax, 7.85, 3.2, 7.85, 1.2, PINK)
@@ -67,27 +67,47 @@ def decoder_flow():
 
 @diagram
 def kv_cache():
-    """Lesson 01: without the cache every step recomputes all keys and values."""
-    fig, ax = canvas(10, 4.6)
-    ax.text(0.2, 4.3, "Without a cache: step t feeds all t tokens", fontsize=11, weight="bold")
-    ax.text(0.2, 2.0, "With the KV cache: step t feeds 1 token, reuses the stored K and V",
+    """Lesson 01: prefill then decode steps, without and with the KV cache."""
+    fig, ax = canvas(10, 5.9)
+    prompt = ["The", "rain", "in", "Spain", "falls"]
+    answer = ["mainly", "on", "the", "plain"]
+    cw, ch, x0 = 0.66, 0.32, 1.45                        # cell width and height, first column
+
+    def row(y, label, n_cached, n_computed, note=""):
+        """One forward pass: n_cached cells read from the cache, then n_computed computed."""
+        ax.text(0.15, y + ch / 2, label, fontsize=9, va="center")
+        words = prompt + answer
+        for j in range(n_cached + n_computed):
+            cached = j < n_cached
+            box(ax, x0 + j * cw, y, cw - 0.07, ch, words[j], BLUE if cached else ORANGE,
+                fill=0.12 if cached else 0.45, size=7)
+        end = x0 + (n_cached + n_computed) * cw
+        out = answer[n_cached + n_computed - len(prompt)]
+        arrow(ax, end - 0.02, y + ch / 2, end + 0.35, y + ch / 2)
+        ax.text(end + 0.4, y + ch / 2, f"'{out}'", fontsize=8, va="center", weight="bold")
+        if note:
+            ax.text(8.25, y + ch / 2, note, fontsize=8, va="center", color="#333333")
+
+    ax.text(0.15, 5.55, "Without a cache: every step feeds the whole sequence", fontsize=11,
+            weight="bold")
+    for step in range(4):
+        row(4.95 - step * 0.42, f"step {step + 1}", 0, len(prompt) + step,
+            "reads the prompt" if step == 0 else "")
+    ax.text(8.25, 3.9, "every step recomputes\nK and V of all tokens:\nwork grows with\nthe sequence",
+            fontsize=8, color=ORANGE)
+
+    ax.text(0.15, 3.05, "With the KV cache: one prefill, then one token per decode step",
             fontsize=11, weight="bold")
-    for step in range(4):
-        y = 3.65 - step * 0.42
-        ax.text(0.2, y + 0.12, f"step {step + 1}", fontsize=9)
-        for j in range(step + 4):
-            box(ax, 1.2 + j * 0.55, y, 0.48, 0.32, "", ORANGE, fill=0.45 if j >= 0 else 0.1)
-    ax.text(5.4, 3.0, "work per step grows with\nthe sequence: O(t) tokens\nthrough every layer",
-            fontsize=9, color=ORANGE)
-    for step in range(4):
-        y = 1.35 - step * 0.42
-        ax.text(0.2, y + 0.12, f"step {step + 1}", fontsize=9)
-        for j in range(step + 3):
-            box(ax, 1.2 + j * 0.55, y, 0.48, 0.32, "", BLUE, fill=0.12)
-        box(ax, 1.2 + (step + 3) * 0.55, y, 0.48, 0.32, "", ORANGE, fill=0.45)
-    ax.text(5.4, 0.55, "blue: keys/values read from the cache\norange: computed this step\n"
-            "cache size = 2 × bytes × layers × hidden\n                  × sequence × batch",
-            fontsize=9, color=BLUE)
+    row(2.45, "prefill", 0, len(prompt), "whole prompt, one pass:\nfills the cache (TTFT)")
+    for step in range(1, 4):
+        row(2.45 - step * 0.42, f"decode {step}", len(prompt) + step - 1, 1,
+            "1 new token (TPOT)" if step == 1 else "")
+    ax.text(0.15, 0.45, "orange: keys and values computed in this pass", fontsize=8.5,
+            color=ORANGE, va="center")
+    ax.text(4.6, 0.45, "blue: keys and values read from the cache", fontsize=8.5, color=BLUE,
+            va="center")
+    ax.text(0.15, 0.15, "cache size = 2 × bytes × layers × hidden × sequence × batch",
+            fontsize=8.5, va="center", color="#333333")
     return fig
 
 
@@ -149,14 +169,20 @@ def padding():
 
 @diagram
 def zero_point():
-    """Lesson 04: zero-point (affine) quantization maps the range [min, max] onto codes 0..255."""
-    fig, ax = canvas(10, 5.2)
-    lo, hi, x = -0.42, 0.61, 0.33                       # an example range and one value in it
+    """Lesson 04: zero-point (affine) quantization, the library convention: a float scale and
+    an integer zero point z, the code that stands for 0.0 (q = round(x / scale) + z)."""
+    fig, ax = canvas(10, 5.4)
+    lo, hi, x = -0.42, 0.61, 0.33                       # an example range (it contains 0.0)
     scale = (hi - lo) / 255
-    x0, x1, yf, yq = 1.3, 9.3, 4.3, 2.75
+    z = round(-lo / scale)                              # the integer code of 0.0
+    q = round(x / scale) + z
+    x0, x1, yf, yq = 1.3, 9.3, 4.5, 2.95
 
     def at(value):                                      # where a float sits on both lines
         return x0 + (value - lo) / (hi - lo) * (x1 - x0)
+
+    def code_at(code):                                  # where a code sits: (code - z) * scale
+        return at((code - z) * scale)
 
     # the float line, with a few weights drawn as dots above it
     ax.plot([x0, x1], [yf, yf], color=BLUE, lw=2)
@@ -168,29 +194,28 @@ def zero_point():
     ax.plot([x0, x1], [yq, yq], color=ORANGE, lw=2)
     ax.text(0.1, yq, "uint8\ncodes", fontsize=10, color=ORANGE, va="center", weight="bold")
     for code in range(0, 256, 17):
-        px = at(lo + code * scale)
-        ax.plot([px, px], [yq - 0.07, yq + 0.07], color=ORANGE, lw=1)
+        ax.plot([code_at(code)] * 2, [yq - 0.07, yq + 0.07], color=ORANGE, lw=1)
 
-    z = round(-lo / scale)
-    q = round((x - lo) / scale)
     marks = [  # float value, label above, code, label below, colour
-        (lo, "min\n= zero point", 0, "0", BLUE),
-        (0.0, "0.0", z, f"z = {z}", GREEN),
+        (lo, "min", 0, "0", BLUE),
+        (0.0, "0.0", z, f"z = {z}\n(zero point)", GREEN),
         (x, "x", q, f"q = {q}", PINK),
         (hi, "max", 255, "255", BLUE),
     ]
     for value, top, code, bottom, color in marks:
-        px = at(value)
-        ax.text(px, yf + 0.3, top, ha="center", va="bottom", fontsize=9, color=color)
-        arrow(ax, px, yf - 0.05, at(lo + code * scale), yq + 0.1, color=color)
-        ax.text(at(lo + code * scale), yq - 0.15, bottom, ha="center", va="top", fontsize=9,
+        ax.text(at(value), yf + 0.3, top, ha="center", va="bottom", fontsize=9, color=color)
+        arrow(ax, at(value), yf - 0.05, code_at(code), yq + 0.1, color=color)
+        ax.text(code_at(code), yq - 0.15, bottom, ha="center", va="top", fontsize=9,
                 color=color, weight="bold")
+    ax.text(at(0.0) - 0.1, (yf + yq) / 2,
+            "0.0 → code z,\nand back: (z − z) × scale\n= 0.0 exactly",
+            fontsize=8, color=GREEN, va="center", ha="right")
 
     # a zoom on three neighbouring codes: one step is one scale
     zx0, zy = 5.6, 0.75
-    ax.add_patch(FancyBboxPatch((at(x) - 0.18, yq - 0.12), 0.36, 0.24,
+    ax.add_patch(FancyBboxPatch((code_at(q) - 0.18, yq - 0.12), 0.36, 0.24,
                                 boxstyle="round,pad=0.01", fc="none", ec=GREY, lw=1))
-    ax.plot([at(x), zx0 + 1.9], [yq - 0.6, zy + 0.55], color=GREY, lw=0.8, ls=":")
+    ax.plot([code_at(q), zx0 + 1.9], [yq - 0.55, zy + 0.55], color=GREY, lw=0.8, ls=":")
     ax.plot([zx0 - 0.1, zx0 + 3.9], [zy, zy], color=ORANGE, lw=2)
     for i, label in enumerate([f"{q - 1}", f"{q}", f"{q + 1}"]):
         px = zx0 + 0.4 + i * 1.5
@@ -204,12 +229,12 @@ def zero_point():
             fontsize=8, color=PINK, va="center")
 
     ax.text(0.1, 1.05,
-            "scale = (max − min) / 255\n"
-            "q = clamp(round((x − min) / scale), 0, 255)   → uint8\n"
-            "x′ = q × scale + min   (dequantize)\n"
-            "per-tensor: one (scale, min) for the matrix\n"
-            "per-channel: one pair per row or column",
-            fontsize=9, va="center", linespacing=1.5)
+            "scale = (max − min) / 255   float; min ≤ 0 ≤ max\n"
+            "z  = round(−min / scale)    integer: the code of 0.0\n"
+            "q  = clamp(round(x / scale) + z, 0, 255)\n"
+            "x' = (q − z) × scale        dequantize\n"
+            "one (scale, z) per tensor, or per row/column",
+            fontsize=8.5, va="center", linespacing=1.6, family="monospace")
     return fig
 
 
@@ -268,7 +293,7 @@ def continuous_batching():
         slot = min(range(slots), key=lambda s: (free_at[s], s))
         request(top, slot, free_at[slot], length, rid)
         free_at[slot] += length
-    axes(top, max(free_at), f"{max(free_at)} steps, no idle slot")
+    axes(top, max(free_at), f"{max(free_at)} steps, no slot idle while requests wait")
 
     # The loop of the four helpers, on the right.
     left, width, height = 7.0, 2.75, 0.9

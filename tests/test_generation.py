@@ -87,6 +87,22 @@ def test_kv_formula_known_values():
         kv_cache_bytes(32, 4096, 0)
 
 
+def test_kv_formula_figures_quoted_in_lesson_01():
+    from transformers import GPT2Config, LlamaConfig
+
+    # Grouped-query attention: Llama-2-70B's 64 query heads share 8 key/value heads of 128.
+    llama_70b = LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                            num_key_value_heads=8)
+    assert kv_cache_bytes_for(llama_70b, seq_len=1) == 320 * 2**10
+    # Exercise 2: GPT-2 small, full 1,024-token context, batch 64, fp32.
+    gpt2 = GPT2Config()
+    assert gpt2.max_position_embeddings == 1024
+    cache = kv_cache_bytes_for(gpt2, seq_len=1024, batch=64, bytes_per_value=4)
+    assert cache == 4_831_838_208 and cache / 2**30 == 4.5
+    weights = 124_439_808 * 4   # GPT-2 small's parameters (lm_head tied to the embedding), fp32
+    assert round(cache / weights, 1) == 9.7
+
+
 def test_bad_input_is_named(bundled):
     model, tokenizer = bundled
     with pytest.raises(ValueError, match="prompt must be a string"):
