@@ -1,7 +1,8 @@
 """Train the shipped LoRA adapters of the bundled model with peft, one per task of the world.
 
-    python scripts/train_adapters.py                      # every task, about a minute each
+    python scripts/train_adapters.py                      # every task, minutes each on a CPU
     python scripts/train_adapters.py --tasks entities     # just one
+    python scripts/train_adapters.py --check              # no training: measure the shipped ones
 
 The tasks are ``helpers.corpus.TASKS``. Every task reads one sentence of the world and answers
 in its own way, after the same prompt (``helpers.corpus.TASK_PROMPT``)::
@@ -10,34 +11,45 @@ in its own way, after the same prompt (``helpers.corpus.TASK_PROMPT``)::
     Output: <the answer> <|endoftext|>
 
     entities  a JSON object of the characters, the place and the object the sentence names
-    rhymes    a two-line nursery-rhyme couplet about it
+    rhymes    a nursery rhyme retold about it
     sad       a sad ending for the story
     title     a title for the story
 
 Only the answer is learned (the prompt's tokens get label -100). Each adapter is LoRA of rank 8
-on every projection of the GPT-2 blocks (c_attn, c_proj, c_fc), saved with ``save_pretrained``
+on every projection of the GPT-2 blocks (c_attn, c_proj, c_fc) and of rank 32 on the token
+embedding (wte) and the output layer (lm_head, tied to wte), saved with ``save_pretrained``
 (safetensors) in helpers/assets/adapters/<task>/ together with training_log.json (time, loss,
 held-out checks). Then helpers/assets/adapters/README.md is written from those logs.
 
-The entities adapter needs more: JSON is made of characters ({ } [ ] ") and word pieces
+Why wte and lm_head too. For entities: JSON is made of characters ({ } [ ] ") and word pieces
 ("characters" without a space before it) that never occur in the corpus. The tokenizer has
 tokens for them, but the bundled model never saw those tokens, so their embeddings were never
-trained and all look alike to it. That adapter therefore also adapts the token embedding (wte)
-and the output layer (lm_head, tied to wte), with rank 32 there, and trains longer.
+trained and all look alike to it. For every task: an answer has to copy words from its sentence
+(names, animals, the object), and adapters with LoRA on the blocks only, trained 60-100 steps,
+learnt each answer's shape but guessed the names and animals (0-10 % of held-out answers exactly
+right). Retrained with wte and lm_head adapted and for 1000-1600 steps, they copy them. Both were
+changed at once, so which of the two mattered is not measured; the loss shows the moment a run
+starts copying (it drops from a plateau: after about 150 steps for rhymes and sad, about 300
+for title). Title was the hardest (its animals follow no name to copy them after): at the
+default learning rate its runs stayed on the plateau or were thrown off it, so it trains at
+3e-3 (with seed 1, the first seed tried there).
 
-The names are the hard part. Inside JSON quotes a name is written without a space before it,
-and byte-level BPE makes "Tom" and " Tom" two unrelated tokens; the bundled model saw the bare
-ones too rarely to treat them as the same name, so an adapter started the usual way (B = 0)
-learns to guess a name instead of copying it. So 16 of the 32 ranks of the entities adapter's
-wte and lm_head LoRA start with each bare name reading and writing like its spaced twin
-(``start_names_as_spaced``); the other 16 start as peft starts them. Training takes it from
-there, and on sentences it never saw it then gets every name, animal, place and object right.
+The names inside JSON are harder still. There a name is written without a space before it, and
+byte-level BPE makes "Tom" and " Tom" two unrelated tokens; the bundled model saw the bare ones
+too rarely to treat them as the same name, so an adapter started the usual way (B = 0) learns
+to guess a name instead of copying it. So 16 of the 32 ranks of the wte and lm_head LoRA start
+with each bare name reading and writing like its spaced twin (``start_names_as_spaced``); the
+other 16 start as peft starts them. Training takes it from there. (The other tasks write names
+after a space, as in the sentence; they get the same start, which does them no harm.)
 
-Dropout is off while training (the model is in eval mode): runs this short do not overfit.
+Dropout is off while training (the model is in eval mode): each example is seen once.
 
-Seeded: on one machine with a fixed thread count, a rerun gives the same adapters.
+Seeded: on one machine with a fixed thread count, a rerun gives the same adapters (each log
+records the thread count).
 The held-out check generates greedily for ``--eval`` sentences that the training never saw and
-reports how many answers match exactly (and, for entities, how many parse as JSON).
+reports how many answers match exactly, and how often each part is right: for entities whether
+it parses as JSON and each field, for the other tasks the format (the right template) and each
+name, animal, place and object copied from the sentence (``answer_part_rates``).
 """
 
 import argparse
@@ -45,6 +57,7 @@ import json
 import pathlib
 import platform
 import random
+import re
 import shutil
 import sys
 import time
@@ -59,12 +72,13 @@ from helpers.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 
 ADAPTERS = ROOT / "helpers" / "assets" / "adapters"
 BLOCK_MODULES = ["c_attn", "c_proj", "c_fc"]
-#: Per task: extra target modules with their rank, and training steps (batch 16).
+#: Per task: extra target modules with their rank, training steps (batch 16) and, where they
+#: differ from the defaults (seed 0, --lr), the seed and learning rate of the run that shipped.
 TASK_SETTINGS = {
     "entities": {"extra_modules": {"wte": 32, "lm_head": 32}, "steps": 1200},
-    "rhymes": {"extra_modules": {}, "steps": 100},
-    "sad": {"extra_modules": {}, "steps": 100},
-    "title": {"extra_modules": {}, "steps": 60},
+    "rhymes": {"extra_modules": {"wte": 32, "lm_head": 32}, "steps": 1000},
+    "sad": {"extra_modules": {"wte": 32, "lm_head": 32}, "steps": 1000},
+    "title": {"extra_modules": {"wte": 32, "lm_head": 32}, "steps": 1400, "seed": 1, "lr": 3e-3},
 }
 #: The sentence every adapter answers in the README (and lessons 05-06 show side by side).
 DEMO_SENTENCE = "Tom the fox met Lily the owl at the river and found a red ball."
@@ -131,8 +145,47 @@ def entity_field_rates(answers, wanted) -> dict[str, float]:
             for key, value in right.items()}
 
 
+def _part_patterns() -> dict[str, "re.Pattern"]:
+    """One regular expression per kind of part a free-text answer copies from its sentence:
+    the characters' names, their animals, the place ("river") and the object ("red ball")."""
+    from helpers.corpus import ANIMALS, NAMES, OBJECTS, PLACES
+
+    words = {"names": NAMES, "animals": ANIMALS,
+             "place": [p.removeprefix("the ") for p in PLACES],
+             "object": [o.split(" ", 1)[1] for o in OBJECTS]}
+    return {part: re.compile(r"\b(" + "|".join(re.escape(w) for w in sorted(ws, key=len,
+                                                                             reverse=True))
+                             + r")\b") for part, ws in words.items()}
+
+
+def answer_part_rates(answers, wanted) -> dict[str, float]:
+    """For the free-text tasks (rhymes, sad, title): how often each part of the answers is
+    right. "format": the answer is the expected text with any names, animals, places and
+    objects in their slots (the right template, words and punctuation); "names", "animals",
+    "place", "object": the ones the answer names, in order, are the expected ones (counted
+    over the answers whose expected text names any)."""
+    patterns = _part_patterns()
+
+    def skeleton(text):
+        for part, pattern in patterns.items():
+            text = pattern.sub(f"<{part}>", text)
+        return text
+
+    right = {"format": 0} | {part: 0 for part in patterns}
+    counted = {"format": len(wanted)} | {part: 0 for part in patterns}
+    for answer, want in zip(answers, wanted):
+        right["format"] += skeleton(answer) == skeleton(want)
+        for part, pattern in patterns.items():
+            if pattern.search(want):
+                counted[part] += 1
+                right[part] += pattern.findall(answer) == pattern.findall(want)
+    return {part: right[part] / counted[part] for part in right if counted[part]}
+
+
 def held_out_check(model, tokenizer, task, n, train_sentences):
-    """Greedy answers for ``n`` unseen sentences: exact-match rate, JSON parse rate."""
+    """Greedy answers for ``n`` unseen sentences: exact-match rate; for entities how many
+    parse as JSON and how often each field is right, for the other tasks how often the format
+    and each copied part (names, animals, place, object) are right."""
     pairs = [p for p in task_examples(task, EVAL_SEED, 4 * n) if p[0] not in train_sentences][:n]
     answers = greedy_answers(model, tokenizer, [s for s, _ in pairs])
     exact = sum(a == want for a, (_, want) in zip(answers, pairs)) / len(pairs)
@@ -147,6 +200,8 @@ def held_out_check(model, tokenizer, task, n, train_sentences):
                 pass
         result["json_parses"] = parsed / len(pairs)
         result["fields"] = entity_field_rates(answers, [want for _, want in pairs])
+    else:
+        result["parts"] = answer_part_rates(answers, [want for _, want in pairs])
     result["examples"] = [{"sentence": s, "answer": a} for (s, _), a in zip(pairs[:3], answers)]
     return result
 
@@ -198,20 +253,22 @@ def train_one(task, args, tokenizer):
     settings = TASK_SETTINGS[task]
     steps = args.steps or settings["steps"]
     extra = settings["extra_modules"]  # module -> rank; alpha = 2 × rank everywhere
-    torch.manual_seed(args.seed)
+    seed = settings.get("seed", 0) if args.seed is None else args.seed
+    lr = settings.get("lr", 5e-3) if args.lr is None else args.lr
+    torch.manual_seed(seed)
     model, _ = load_model(BUNDLED_MODEL_DIR, device="cpu")
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                         target_modules=BLOCK_MODULES + list(extra), fan_in_fan_out=True,
                         rank_pattern=dict(extra), alpha_pattern={m: 2 * r for m, r in extra.items()},
                         task_type="CAUSAL_LM")
     model = get_peft_model(model, config)
-    if task == "entities":
-        print(f"  entities: {start_names_as_spaced(model, tokenizer)} names start as spaced tokens")
+    if "wte" in extra:
+        print(f"  {task}: {start_names_as_spaced(model, tokenizer)} names start as spaced tokens")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     pairs = task_examples(task, TRAIN_SEED, steps * args.batch)
     rows = encode_examples(tokenizer, pairs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # linear decay to a tenth
         opt, lambda step: 1 - 0.9 * step / steps)
     log, start, cpu_start = [], time.perf_counter(), time.process_time()
@@ -231,7 +288,7 @@ def train_one(task, args, tokenizer):
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start  # all threads; less sensitive to other load
 
-    folder = ADAPTERS / task
+    folder = args.out / task
     if folder.exists():
         shutil.rmtree(folder)
     # save_embedding_layers=False: only LoRA's A and B, not a copy of the adapted embedding
@@ -251,7 +308,7 @@ def train_one(task, args, tokenizer):
         "rank_pattern": extra,
         "trainable_parameters": trainable,
         "adapter_bytes": (folder / "adapter_model.safetensors").stat().st_size,
-        "steps": steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "steps": steps, "batch": args.batch, "lr": lr, "seed": seed,
         "train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu_seconds, 1),
         "final_loss": round(sum(log[-10:]) / len(log[-10:]), 4),  # mean of the last 10 steps
         "loss_every_step": log, "held_out": check, "demo": {"sentence": DEMO_SENTENCE,
@@ -264,6 +321,27 @@ def train_one(task, args, tokenizer):
           f"{check['exact_match']:.0%}" + (f", JSON parses {check['json_parses']:.0%}"
                                            if "json_parses" in check else ""))
     print(f"  demo: {demo!r}")
+    return info
+
+
+def check_shipped(task, args, tokenizer):
+    """Measure a shipped adapter again on the held-out sentences (no training) and record the
+    result in its training_log.json."""
+    from peft import PeftModel
+
+    folder = ADAPTERS / task
+    info = json.loads((folder / "training_log.json").read_text())
+    base, _ = load_model(BUNDLED_MODEL_DIR, device="cpu")
+    model = PeftModel.from_pretrained(base, folder).eval()
+    trained_on = {s for s, _ in task_examples(task, TRAIN_SEED, info["steps"] * info["batch"])}
+    info["held_out"] = held_out_check(model, tokenizer, task, args.eval, trained_on)
+    info["demo"] = {"sentence": DEMO_SENTENCE,
+                    "answer": greedy_answers(model, tokenizer, [DEMO_SENTENCE])[0]}
+    (folder / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
+    h = info["held_out"]
+    rates = h.get("parts") or h.get("fields")
+    print(f"{task}: held-out exact {h['exact_match']:.0%} of {h['sentences']}; "
+          + ", ".join(f"{k} {v:.0%}" for k, v in rates.items()))
     return info
 
 
@@ -282,8 +360,8 @@ def write_readme(base_demo):
         "what peft's `save_pretrained` writes (`adapter_config.json`, "
         "`adapter_model.safetensors`) and `training_log.json` (loss at every step, held-out "
         "checks, machine).", "",
-        "| adapter | task | rank (alpha) | target modules | size | training | final loss | "
-        "held-out exact | JSON parses (right parts) |",
+        "| adapter | task | rank (alpha) | target modules | size | training (wall, CPU) | final loss | "
+        "held-out exact | held-out, right parts |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     def modules(info):
@@ -293,38 +371,50 @@ def write_readme(base_demo):
 
     for i in infos:
         h = i["held_out"]
-        json_rate = f"{h['json_parses']:.0%}" if "json_parses" in h else "–"
-        if "fields" in h:
-            json_rate += " (" + ", ".join(f"{k} {v:.0%}" for k, v in h["fields"].items()) + ")"
+        rates = h.get("fields") or h.get("parts") or {}
+        json_rate = ", ".join(f"{k} {v:.0%}" for k, v in rates.items()) or "–"
+        if "json_parses" in h:
+            json_rate = f"JSON parses {h['json_parses']:.0%}, " + json_rate
         lines.append(
             f"| `{i['task']}` | {TASKS[i['task']].__doc__.split(' and ', 1)[1].rstrip('.')} | "
             f"{i['rank']} ({i['lora_alpha']}) | {modules(i)} | "
-            f"{i['adapter_bytes'] / 1024:.0f} KiB | {i['train_seconds']:.0f} s, "
+            f"{i['adapter_bytes'] / 1024:.0f} KiB | {i['train_seconds']:.0f} s "
+            f"({i['train_cpu_seconds']:.0f} CPU s), "
             f"{i['steps']} steps × {i['batch']} | {i['final_loss']:.3f} | "
             f"{h['exact_match']:.0%} of {h['sentences']} | {json_rate} |")
-    machine = infos[0]["machine"] if infos else ""
+    arches = sorted({i["machine"].split(",")[0] for i in infos})
+    threads = sorted({i["machine"].split(", ")[-1].split()[0] for i in infos})
+    machine = (f"{' and '.join(arches)} with {' or '.join(threads)} threads (each "
+               "training_log.json says which)")
     lines += [
-        "", "The entities adapter also adapts the token embedding (`wte`) and the output layer "
-        "(`lm_head`, tied to it): JSON is written with characters and word pieces (`{`, `\"`, "
-        "`characters` without a space before it) that never occur in the bundled model's training "
-        "text, so their embeddings were never trained and look alike to the model. The other "
-        "adapters answer in words the model already knows.", "",
-        "What they get right, and what not: every adapter has learnt its format (the entities "
-        "answers parse as JSON) and copies the sentence's object (\"a red ball\"). The "
-        "entities adapter gets every part of its answers right on sentences it never saw, "
-        "thanks to how it starts: half of its embedding and output-layer LoRA makes each name "
-        "written without a space (\"Tom\", as inside JSON quotes) read and write like the "
-        "same name after a space (\" Tom\", as in the sentence), two tokens that byte-level "
-        "BPE keeps apart and the bundled model never learnt to connect. Started the usual way "
-        "(B = 0) it learnt the format and the object and guessed every name. The other "
-        "adapters answer freely and still mostly guess the names and animals, hence their low "
-        "exact-match rates."]
+        "", "Every adapter also adapts the token embedding (`wte`) and the output layer "
+        "(`lm_head`, tied to it), at rank 32. The entities adapter needs them for JSON: it is "
+        "written with characters and word pieces (`{`, `\"`, `characters` without a space "
+        "before it) that never occur in the bundled model's training text, so their embeddings "
+        "were never trained and look alike to the model. And every adapter has to copy words "
+        "from its sentence: the names, the animals, the place, the object. Adapters with LoRA "
+        "on the blocks only, trained 60-100 steps, learnt each answer's format and the object "
+        "but guessed the names and animals (0-10 % exactly right on held-out sentences); "
+        "retrained with `wte` and `lm_head` adapted and for longer (the training column), they "
+        "copy them. Both changed at once, so which one mattered is not measured. In each "
+        "training_log.json the loss shows when a run starts copying: it drops from a plateau.",
+        "",
+        "Half of the `wte` and `lm_head` ranks start by making each name written without a "
+        "space (\"Tom\", as inside JSON quotes) read and write like the same name after a "
+        "space (\" Tom\", as in the sentence), two tokens that byte-level BPE keeps apart and "
+        "the bundled model never learnt to connect; without that start the entities adapter "
+        "learnt the format and the object and guessed every name. (The other tasks write names "
+        "after a space; they get the same start.)"]
     lines += [
-        "", f"Training times were measured on {machine} (CPU), with other jobs sharing the "
-        "cores (CPU seconds are in each training_log.json); final loss is the mean "
+        "", f"Training times were measured on {machine}, on a CPU with other jobs sharing its "
+        "cores: the wall time depends on them, the CPU seconds (all threads) much less; final loss is the mean "
         "cross-entropy (nats per answer token) of the last 10 training steps. Held-out: "
         "greedy answers for sentences the training never saw, compared with the task's "
-        "answer.", "",
+        "answer: exactly, and part by part (for entities: parses as JSON, then each field; "
+        "for the others: format = the right template with the right words and punctuation, "
+        "then the names, animals, place and object it copies, each counted over the answers "
+        "that should name one). `python scripts/train_adapters.py --check` measures them "
+        "again.", "",
         "## One prompt, every adapter", "",
         f"Input: `{DEMO_SENTENCE}` (greedy decoding)", "",
         "| adapter | answer |", "|---|---|",
@@ -344,19 +434,34 @@ def main():
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=None, help="override every task's steps")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--eval", type=int, default=20, help="held-out sentences to check")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="override every task's learning rate (TASK_SETTINGS; 5e-3 where it "
+                         "names none)")
+    ap.add_argument("--eval", type=int, default=50, help="held-out sentences to check")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="override every task's seed (TASK_SETTINGS; 0 where it names none)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check", action="store_true",
+                    help="train nothing: measure the shipped adapters on the held-out sentences "
+                         "again, record it in their training_log.json and rewrite the README")
+    ap.add_argument("--out", type=pathlib.Path, default=ADAPTERS,
+                    help="where to write the adapters (another folder leaves the shipped ones "
+                         "and their README alone)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    random.seed(args.seed)
+    random.seed(0)
     model, tokenizer = load_model(BUNDLED_MODEL_DIR, device="cpu")
     base_demo = greedy_answers(model, tokenizer, [DEMO_SENTENCE], max_new_tokens=30)[0]
     del model
+    if args.check:
+        for task in args.tasks:
+            check_shipped(task, args, tokenizer)
+        write_readme(base_demo)
+        return
     results = [train_one(task, args, tokenizer) for task in args.tasks]
-    write_readme(base_demo)
+    if args.out.resolve() == ADAPTERS.resolve():
+        write_readme(base_demo)
     print("\n".join(f"{r['task']:9s} {r['train_seconds']:6.1f} s  loss {r['final_loss']:.3f}"
                     for r in results))
 
