@@ -386,7 +386,7 @@ def multi_lora():
         fill=0.15, size=9, weight="bold")
     arrow(ax, 8.95, 3.15, 9.22, 3.15)
     ax.text(0.2, 0.35, "output = base layer(x) + bmm(bmm(x, A[index]), B[index])   "
-            "— one call for the whole batch instead of a loop over rows",
+            "— two batched products for the whole batch instead of a loop over rows",
             fontsize=9.5, color="#333333")
     return fig
 
