@@ -25,8 +25,9 @@ import torch
 
 from benchmarks.results_io import machine, pyplot, save_figure, write_results
 from benchmarks.timing import Candidate, time_in_turns
-from helpers.quantization import (dequantize_model, footprint, import_torchao, perplexity,
-                                  quantize_model, quiet_stderr, torchao_int8_weight_only)
+from helpers.quantization import (dequantize_model, footprint, perplexity, quantize_model,
+                                  torchao_int8_weight_only)
+from helpers.quiet import import_torchao, quiet_stderr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

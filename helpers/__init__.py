@@ -2,6 +2,20 @@
 
 Everything the lessons use is importable from here: ``from helpers import load_model``.
 Each function's docstring names the lesson that introduces it.
+
+The modules form layers, bottom to top. A module imports only from layers below its own, and
+the modules of one layer do not import each other; a sub-package (``server``) counts
+as one module, whose files build on one another. tests/test_layering.py reads this list and
+checks every import in the package against it, imports inside functions included.
+
+    1. quiet                         library noise kept out of a lesson's output
+    2. models                        the model and its tokenizer (lesson 01)
+    3. generation                    one token at a time, the KV cache (lesson 01)
+    4. batching, quantization, lora  what lessons 02-06 teach
+    5. corpus, plots                 the story world's text, the lessons' figures
+    6. widgets                       notebook display: live plots, controls, diagrams
+    7. server                        lesson 07's server, built on the layers below
+    8. helpers                       this file: the names the lessons import
 """
 
 from .batching import (
@@ -32,7 +46,6 @@ from .generation import (
     generate_with_cache,
     kv_cache_bytes,
     kv_cache_bytes_for,
-    kv_width,
     next_token_candidates,
 )
 from .lora import (
@@ -54,7 +67,6 @@ from .lora import (
 from .models import (
     BUNDLED_MODEL_DIR,
     MODEL_ENV_VAR,
-    default_device,
     load_model,
     load_tokenizer,
     resolve_model_name,
@@ -67,24 +79,23 @@ from .quantization import (
     dequantize_model,
     footprint,
     gpu_memory_estimate,
-    import_torchao,
     kv_cache_plan,
     perplexity,
     quantization_errors,
     quantize,
     quantize_model,
-    quiet_stderr,
     torchao_int8_weight_only,
 )
 from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
-from .server import BackgroundServer, serve_in_background
+from .quiet import import_torchao, quiet_stderr
+from .server import serve_in_background
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
 __all__ = [
     "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "LivePlot", "cache_nbytes",
-    "default_device", "generate_no_cache", "generate_with_cache", "kv_cache_bytes",
-    "kv_cache_bytes_for", "kv_width", "load_model", "load_tokenizer", "next_token_candidates",
-    "rerun_controls", "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
+    "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
+    "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
+    "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
     # lessons 02-03: batching
     "Batch", "Step", "Trace", "cache_from_layers", "cache_layers", "filter_batch",
     "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
@@ -94,28 +105,23 @@ __all__ = [
     # lesson 04: quantization
     "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",
-    "quantization_errors", "quantize", "quantize_model", "quiet_stderr",
-    "torchao_int8_weight_only",
+    "quantization_errors", "quantize", "quantize_model", "torchao_int8_weight_only",
     # lessons 05-06: LoRA
     "ADAPTERS_DIR", "NO_ADAPTER", "TOY_COLOURS", "LoraLayer", "MultiLora", "MultiLoraLayer",
     "ToyModel", "ToyMultiLoraModel", "adapter_mismatch", "linear_lora_gathered", "linear_lora_loop",
     "load_adapters", "random_adapters", "shipped_adapters",
     # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
-    "BackgroundServer", "serve_in_background",
+    "serve_in_background",
 ]
 
 
 def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy (when installed) and torch, so that a lesson runs the same twice."""
+    """Seed Python, NumPy and torch, so that a lesson runs the same twice."""
     import random
 
+    import numpy as np
     import torch
 
     random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass

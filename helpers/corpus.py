@@ -37,8 +37,6 @@ WEATHER = ["the sun was shining", "it was raining softly", "the wind was blowing
 TIMES = ["One morning", "One day", "That evening", "Early one spring day", "Late at night",
          "On a cold winter day", "After breakfast", "One summer afternoon"]
 FOODS = ["bread", "soup", "apples", "cake", "berries", "carrots", "cheese", "honey"]
-COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black",
-           "pink", "brown"]
 
 # The classic lines the course prompts start. Each is a list of alternatives for what
 # follows the prompt; the first is the most common, so greedy decoding finds it.

@@ -30,14 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .corpus import COLOURS
-
 #: Where the shipped adapters live: one folder per adapter, as written by peft's save_pretrained.
 ADAPTERS_DIR = Path(__file__).resolve().parent / "assets" / "adapters"
 #: The name (besides ``None`` and -1) that means "this row uses no adapter", as in peft.
 NO_ADAPTER = "__base__"
 #: The toy model's whole vocabulary: ten colour words, token id = position in this list.
-TOY_COLOURS = list(COLOURS)
+TOY_COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "pink",
+               "brown"]
 
 
 # --- lesson 05: one adapter on one layer -------------------------------------------------
@@ -58,7 +57,8 @@ def _in_out_features(layer: nn.Module, embedding: bool = False) -> tuple[int, in
 
 
 class LoraLayer(nn.Module):
-    """A frozen layer plus a low-rank detour: ``base(x) + (x @ A @ B) * scale``. (Lesson 05.)
+    """A frozen layer plus a low-rank detour: ``base(x) + (x @ A @ B) * scale``. (Lesson 05
+    writes this class in a cell and checks it against this one.)
 
     base:   the ``nn.Linear`` (or GPT-2 ``Conv1D``) to adapt; its weights are not changed.
     rank:   r, the inner size of the detour. ``A`` is (in × r), ``B`` is (r × out).
@@ -227,19 +227,20 @@ class MultiLoraLayer(nn.Module):
     Wraps an ``nn.Linear`` (Llama-style models), GPT-2's ``Conv1D`` (weight stored as
     (in, out)) or an ``nn.Embedding``. An embedding is a linear layer applied to one-hot
     vectors, so its A has one row per token (vocabulary × r) and "x @ A" is just a lookup of
-    the token's row. Slot 0 of the stack is all zeros and stands for "no adapter"; adapter ``k``
-    lives in slot ``k + 1``. Adapters of different ranks share the stack: each is padded with
-    zeros to the largest rank, which adds exactly nothing to the output. Each adapter's
-    ``scale`` (lora_alpha / r) is multiplied into its B when it is added.
+    the token's row. Entry 0 of the stack is all zeros and stands for "no adapter"; adapter
+    ``k`` is entry ``k + 1``, so a row's *stack index* is its adapter index plus one. Adapters
+    of different ranks share the stack: each is padded with zeros to the largest rank, which
+    adds exactly nothing to the output. Each adapter's ``scale`` (lora_alpha / r) is
+    multiplied into its B when it is added.
 
-    ``set_slots(slots)`` (called by ``MultiLora.set_rows``) takes a (batch,) tensor of slot
-    numbers, one per row, and gathers each row's A and B right away with ``index_select``:
-    copies of shape (batch, in, rank) and (batch, rank, out). A forward pass is then two
-    batched matrix products (``torch.bmm``) on top of the base layer, and the copies serve
-    every step until the rows change (gathering on every step would copy the same weights again
-    and again: on a CPU that copy costs more than the products). A row's slot applies to every
-    position of that row, so prefill (batch, seq, in) and decode (batch, 1, in) both work.
-    With slots None the layer is just its base layer.
+    ``set_stack_indices(indices)`` (called by ``MultiLora.set_rows``) takes a (batch,) tensor
+    of stack indices, one per row, and gathers each row's A and B right away with
+    ``index_select``: copies of shape (batch, in, rank) and (batch, rank, out). A forward pass
+    is then two batched matrix products (``torch.bmm``) on top of the base layer, and the
+    copies serve every step until the rows change (gathering on every step would copy the same
+    weights again and again: on a CPU that copy costs more than the products). A row's stack
+    index applies to every position of that row, so prefill (batch, seq, in) and decode
+    (batch, 1, in) both work. With indices None the layer is just its base layer.
     """
 
     def __init__(self, base: nn.Module, n_adapters: int = 0):
@@ -256,7 +257,7 @@ class MultiLoraLayer(nn.Module):
                               device=weight.device)
         self.register_buffer("lora_a", zeros_a, persistent=False)
         self.register_buffer("lora_b", zeros_b, persistent=False)
-        self.slots: torch.Tensor | None = None
+        self.stack_indices: torch.Tensor | None = None  # (batch,): each row's entry in the stack
         self.row_a: torch.Tensor | None = None  # (batch, in, rank): each row's A
         self.row_b: torch.Tensor | None = None  # (batch, rank, out): each row's B (× scale)
 
@@ -266,9 +267,9 @@ class MultiLoraLayer(nn.Module):
         return self.lora_a.shape[2]
 
     def add_adapter(self, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> int:
-        """Append an adapter: ``a`` (in × r), ``b`` (r × out). Returns its slot number.
+        """Append an adapter: ``a`` (in × r), ``b`` (r × out). Returns its stack index.
 
-        A layer that an adapter does not touch gets ``a`` and ``b`` of rank 0 (a zero slot).
+        A layer that an adapter does not touch gets ``a`` and ``b`` of rank 0 (a zero entry).
         """
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"rank mismatch: A {tuple(a.shape)} and B {tuple(b.shape)} must "
@@ -288,29 +289,32 @@ class MultiLoraLayer(nn.Module):
         old_b = nn.functional.pad(self.lora_b, (0, 0, 0, pad))
         self.lora_a = torch.cat([old_a, new_a])
         self.lora_b = torch.cat([old_b, new_b])
-        self.set_slots(None)
+        self.set_stack_indices(None)
         return self.lora_a.shape[0] - 1
 
-    def set_slots(self, slots: torch.Tensor | None) -> None:
-        """Each row's slot for the following forward passes (None: no adapters at all)."""
-        self.slots = slots
-        if slots is None or self.rank == 0:
+    def set_stack_indices(self, indices: torch.Tensor | None) -> None:
+        """Each row's stack index for the following forward passes (None: no adapters at all)."""
+        self.stack_indices = indices
+        if indices is None or self.rank == 0:
             self.row_a = self.row_b = None
         else:  # (an embedding looks its rows up in forward instead of copying its whole A)
-            self.row_a = None if self.is_embedding else self.lora_a.index_select(0, slots)
-            self.row_b = self.lora_b.index_select(0, slots)  # (batch, rank, out)
+            self.row_a = None if self.is_embedding else self.lora_a.index_select(0, indices)
+            self.row_b = self.lora_b.index_select(0, indices)  # (batch, rank, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         if self.row_b is None:
             return out
         batch = x.shape[0]
-        if batch != len(self.slots):
-            raise ValueError(f"the batch has {batch} rows but set_rows named {len(self.slots)}")
+        if batch != len(self.stack_indices):
+            raise ValueError(f"the batch has {batch} rows but set_rows named "
+                             f"{len(self.stack_indices)}")
         if self.row_b.device != self.lora_b.device or self.row_b.dtype != self.lora_b.dtype:
-            self.set_slots(self.slots.to(self.lora_b.device))  # the model moved: gather again
+            # the model moved: gather again
+            self.set_stack_indices(self.stack_indices.to(self.lora_b.device))
         if self.is_embedding:  # row i, token t: row t of the A of row i's adapter
-            h = self.lora_a[self.slots.view(-1, 1), x.reshape(batch, -1)]  # (batch, seq, rank)
+            rows = self.stack_indices.view(-1, 1)
+            h = self.lora_a[rows, x.reshape(batch, -1)]  # (batch, seq, rank)
         else:
             h = torch.bmm(x.reshape(batch, -1, self.in_features), self.row_a)  # (batch, seq, rank)
         # baddbmm_ adds h @ B to the base output in place, viewed as (batch, seq, out).
@@ -330,9 +334,10 @@ def _pattern_value(pattern: dict | None, module: str, default):
     return default
 
 
-def _read_adapter(folder: Path, name: str) -> tuple[dict, dict[str, tuple]]:
-    """The config of a peft LoRA adapter folder and its weights: module path -> (A, B, scale),
-    with A as (in × r) and B as (r × out). Reads safetensors only (never pickle)."""
+def _read_adapter(folder: Path, name: str) -> dict[str, tuple]:
+    """The weights of a peft LoRA adapter folder: module path -> (A, B, scale), with A as
+    (in × r) and B as (r × out); its adapter_config.json is checked and gives the scales.
+    Reads safetensors only (never pickle)."""
     from safetensors.torch import load_file
 
     config_file = folder / "adapter_config.json"
@@ -384,7 +389,7 @@ def _read_adapter(folder: Path, name: str) -> tuple[dict, dict[str, tuple]]:
         alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
         scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
         weights[module] = (a, b, scale)
-    return config, weights
+    return weights
 
 
 def _mismatch(model: nn.Module, name: str, weights: dict[str, tuple]) -> str | None:
@@ -410,7 +415,7 @@ def adapter_mismatch(model: nn.Module, adapter: str | os.PathLike) -> str | None
     lessons 05-07 call this to say what changes when ``$COURSE_MODEL`` names another model.
     (Lesson 05.)"""
     name, folder = _adapter_folder(adapter)
-    return _mismatch(model, name, _read_adapter(folder, name)[1])
+    return _mismatch(model, name, _read_adapter(folder, name))
 
 
 def _adapter_folder(item: str | os.PathLike) -> tuple[str, Path]:
@@ -457,8 +462,7 @@ class MultiLora:
         self.model = model
         self.names: list[str] = []
         self.layers: dict[str, MultiLoraLayer] = {}
-        self.configs: dict[str, dict] = {}
-        self._slots: torch.Tensor | None = None
+        self._stack_indices: torch.Tensor | None = None
         self._rows: list | None = None
 
     def add(self, name: str, folder: str | os.PathLike) -> None:
@@ -469,7 +473,7 @@ class MultiLora:
                              f"{NO_ADAPTER!r}, got {name!r}")
         if name in self.names:
             raise ValueError(f"an adapter named {name!r} is already loaded")
-        config, weights = _read_adapter(Path(folder), name)
+        weights = _read_adapter(Path(folder), name)
         modules = dict(self.model.named_modules())
         for path in weights:  # check everything before changing anything
             if isinstance(modules.get(path), MultiLoraLayer) and path not in self.layers:
@@ -485,11 +489,10 @@ class MultiLora:
             if path in weights:
                 a, b, scale = weights[path]
                 layer.add_adapter(a, b, scale=scale)
-            else:  # an adapter that leaves this layer alone: a zero slot keeps slots aligned
+            else:  # an adapter that leaves this layer alone: a zero entry keeps stacks aligned
                 layer.add_adapter(torch.zeros(layer.in_features, 0),
                                   torch.zeros(0, layer.out_features))
         self.names.append(name)
-        self.configs[name] = config
         self.set_rows(None)
 
     def _wrap(self, path: str, base: nn.Module) -> None:
@@ -499,27 +502,28 @@ class MultiLora:
         setattr(parent, attr, layer)
         self.layers[path] = layer
 
-    def slots_for(self, rows) -> torch.Tensor:
-        """The slot tensor for ``rows`` (adapter names, None/"__base__", or indices)."""
-        slots = []
+    def stack_indices_for(self, rows) -> torch.Tensor:
+        """Each row's stack index (adapter index + 1, 0 for none) for ``rows`` (adapter names,
+        None/"__base__", or adapter indices), as a tensor on the adapters' device."""
+        indices = []
         for row in rows:
             if row is None or row == NO_ADAPTER:
-                slots.append(0)
+                indices.append(0)
             elif isinstance(row, str):
                 if row not in self.names:
                     raise ValueError(f"unknown adapter name {row!r}; loaded adapters: "
                                      f"{self.names} (or None / {NO_ADAPTER!r} for none)")
-                slots.append(self.names.index(row) + 1)
+                indices.append(self.names.index(row) + 1)
             elif isinstance(row, int) and not isinstance(row, bool):
                 if not -1 <= row < len(self.names):
                     raise ValueError(f"adapter index {row} is out of range: {len(self.names)} "
                                      f"adapters are loaded (0..{len(self.names) - 1}, or -1 "
                                      f"for none)")
-                slots.append(row + 1)
+                indices.append(row + 1)
             else:
                 raise ValueError(f"a row's adapter must be a name, None or an int, got {row!r}")
         device = next(iter(self.layers.values())).lora_a.device if self.layers else "cpu"
-        return torch.tensor(slots, dtype=torch.long, device=device)
+        return torch.tensor(indices, dtype=torch.long, device=device)
 
     def set_rows(self, rows) -> None:
         """Choose each row's adapter for the following forward passes: a list with one entry
@@ -528,18 +532,19 @@ class MultiLora:
 
         Call it again whenever the batch changes (rows join, finish or are reordered); calling
         it with the same rows as before costs almost nothing."""
-        slots = None if rows is None else self.slots_for(list(rows))
-        if slots is not None and bool((slots == 0).all()):
-            slots = None  # no row uses an adapter: skip the adapter work entirely
+        indices = None if rows is None else self.stack_indices_for(list(rows))
+        if indices is not None and bool((indices == 0).all()):
+            indices = None  # no row uses an adapter: skip the adapter work entirely
         self._rows = None if rows is None else list(rows)
-        unchanged = (slots is None and self._slots is None) or (
-            slots is not None and self._slots is not None
-            and slots.device == self._slots.device and torch.equal(slots, self._slots))
-        if unchanged and all(layer.slots is self._slots for layer in self.layers.values()):
+        old = self._stack_indices
+        unchanged = (indices is None and old is None) or (
+            indices is not None and old is not None
+            and indices.device == old.device and torch.equal(indices, old))
+        if unchanged and all(layer.stack_indices is old for layer in self.layers.values()):
             return
-        self._slots = slots
+        self._stack_indices = indices
         for layer in self.layers.values():
-            layer.set_slots(slots)
+            layer.set_stack_indices(indices)
 
     @property
     def current_rows(self) -> list | None:
@@ -557,7 +562,10 @@ class MultiLora:
             self.set_rows(previous)
 
     def remove(self) -> nn.Module:
-        """Put the original layers back and return the model, as it was before."""
+        """Take every adapter out: put the original layers back and return the model, as it was
+        before. The rows are reset as well (``current_rows`` is None afterwards), so no row
+        goes on naming an adapter that is gone."""
+        self.set_rows(None)
         for path, layer in self.layers.items():
             parent_path, _, attr = path.rpartition(".")
             parent = self.model.get_submodule(parent_path) if parent_path else self.model

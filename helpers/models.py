@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .quiet import import_torchao
+
 #: Environment variable that selects the model every lesson loads by default.
 MODEL_ENV_VAR = "COURSE_MODEL"
 #: Folder of the bundled model and tokenizer (safetensors, tokenizer.json, model card).
@@ -27,7 +29,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def default_device() -> torch.device:
-    """CUDA when a GPU is present, else CPU. (Lesson 01.)"""
+    """CUDA when a GPU is present, else CPU: where ``load_model`` puts the model by default."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -96,8 +98,6 @@ def _quiet_torchao() -> None:
     import sys
 
     if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is not None:
-        from .quantization import import_torchao
-
         import_torchao(missing_ok=True)
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import io
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state, no double drawing
 from matplotlib.ticker import FuncFormatter
 
-#: Colours of the series, in order (colour-blind safe).
-PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
+from .plots import PALETTE  # colours of the series, in order: the course's one palette
 
 
 def _png(fig: Figure) -> bytes:
@@ -48,6 +48,11 @@ class LivePlot:
 
     Several named series share the axes; a series added with ``axis=2`` goes on a second
     y-axis on the right (label ``ylabel2``). ``logx``/``logy`` use log scales (base 2 for x).
+
+    A redraw renders the whole chart on the caller's thread and takes tens of milliseconds.
+    Time each step on its own stopwatch (as lesson 01 does), or, when the points are arrival
+    times of something that keeps running meanwhile (a stream of tokens), take every timestamp
+    first and draw after: a redraw in between would show up as a delay of the stream (lesson 07).
     """
 
     def __init__(self, title: str = "", xlabel: str = "", ylabel: str = "", ylabel2: str = "",
@@ -187,17 +192,27 @@ def rerun_controls(run, button: str = "Run again", **sliders):
     return box
 
 
+#: The diagrams the lessons show (drawn by scripts/draw_diagrams.py). They live in the course
+#: repository's img/ folder, beside this package, and are not installed with it.
+DIAGRAMS_DIR = Path(__file__).resolve().parents[1] / "img"
+
+
 def show_diagram(name: str) -> None:
     """Show ``img/<name>.png`` from the course repository (drawn by scripts/draw_diagrams.py).
 
-    A code cell, not a markdown image, so that it also renders on Colab.
+    A code cell, not a markdown image, so that it also renders on Colab. The lessons run from
+    a clone of the repository (Colab's setup cell makes one); a copy of ``helpers`` installed
+    without the repository has no diagrams and says so (FileNotFoundError).
     """
-    from pathlib import Path
-
     from IPython.display import Image
 
-    path = Path(__file__).resolve().parents[1] / "img" / f"{name}.png"
-    if not path.exists():
-        known = sorted(p.stem for p in path.parent.glob("*.png")) if path.parent.exists() else []
-        raise ValueError(f"no diagram named {name!r} in {path.parent}; known: {known}")
+    if not DIAGRAMS_DIR.is_dir():
+        raise FileNotFoundError(
+            f"the lessons' diagrams are read from the course repository's img/ folder, and "
+            f"there is none at {DIAGRAMS_DIR}: this copy of helpers was installed without the "
+            f"repository. Run the lessons from a clone of the repository.")
+    path = DIAGRAMS_DIR / f"{name}.png"
+    if not path.is_file():
+        known = sorted(p.stem for p in DIAGRAMS_DIR.glob("*.png"))
+        raise ValueError(f"no diagram named {name!r} in {DIAGRAMS_DIR}; known: {known}")
     _display(Image(filename=str(path)))

@@ -301,20 +301,24 @@ def test_mixed_batch_equals_each_row_alone_through_peft(shipped, peft_reference)
         assert got == want, f"row {i} ({row}): {tokenizer.decode(got)!r} != {tokenizer.decode(want)!r}"
 
 
-def test_merged_equals_unmerged(shipped, peft_reference):
+def test_merged_equals_unmerged(shipped, peft_reference, tmp_path):
     """Merging an adapter into the weights changes nothing, and our per-row layer agrees.
 
     An adapter on the tied embedding (wte and lm_head share one tensor in GPT-2) cannot be
-    merged: both deltas would land in the same tensor. Those are checked unmerged only.
+    merged: both deltas would land in the same tensor. The shipped adapters that adapt them
+    are checked unmerged only; merging is checked on every other shipped adapter and, always,
+    on a random adapter of the bundled model's blocks (the kind lesson 05 trains and merges).
     """
     import json
 
+    from peft import PeftModel
+
+    from helpers import load_model
     from helpers.lora import ADAPTERS_DIR
 
     model, tokenizer, lora = shipped
     batch = tokenizer([task_prompt("Tom the fox met Lily the owl at the river and found a red "
                                    "ball."), "Jack and Jill"], return_tensors="pt", padding=True)
-    merged_some = False
     for name in lora.names:
         targets = set(json.loads((ADAPTERS_DIR / name / "adapter_config.json").read_text())
                       ["target_modules"])
@@ -330,8 +334,16 @@ def test_merged_equals_unmerged(shipped, peft_reference):
             merged_model.set_adapter(name)
             merged = merged_model.merge_and_unload()(**batch).logits
             torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-4)
-            merged_some = True
-    assert merged_some, "no shipped adapter could be merged"
+
+    base, _ = load_model(device="cpu")
+    folder = _save_random_adapter(base, tmp_path / "blocks", 4, ["c_attn", "c_proj", "c_fc"], 5)
+    blocks = PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        unmerged = blocks(**batch).logits
+        merged = blocks.merge_and_unload()(**batch).logits
+    assert not torch.allclose(unmerged, load_model(device="cpu")[0](**batch).logits, atol=1e-1)
+    # this adapter is large (B × 20), so are the logits it moves: rounding grows with them
+    torch.testing.assert_close(merged, unmerged, rtol=1e-3, atol=1e-3)
 
 
 def test_shipped_adapters_answer_differently(shipped):
@@ -403,6 +415,31 @@ def test_rows_can_change_between_steps(tiny_llama, tmp_path):
     torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
 
 
+def test_remove_resets_the_rows_that_used_the_adapters(tiny_llama, tmp_path):
+    """After remove() no row names an adapter that is gone: the rows are reset, the model
+    answers as the base model does, and adding an adapter again starts clean."""
+    model, tokenizer = tiny_llama
+    model = copy.deepcopy(model)
+    folder = _save_random_adapter(model, tmp_path / "a", 4, ["q_proj", "v_proj"], seed=3)
+    batch = tokenizer(["Jack and Jill", "The rain"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        base = model(**batch).logits
+        lora = load_adapters(model, {"a": folder})
+        lora.set_rows(["a", None])
+        adapted = model(**batch).logits
+        assert not torch.allclose(adapted[0], base[0], atol=1e-3)
+        assert lora.remove() is model
+        assert lora.current_rows is None and lora.names == []
+        torch.testing.assert_close(model(**batch).logits, base)
+        with pytest.raises(ValueError, match="unknown adapter name 'a'"):
+            lora.set_rows(["a", None])
+        lora.add("a", folder)
+        assert lora.current_rows is None  # a fresh adapter is off until a row names it
+        torch.testing.assert_close(model(**batch).logits, base)
+        lora.set_rows(["a", None])
+        torch.testing.assert_close(model(**batch).logits, adapted)
+
+
 def test_adapter_mismatch_names_the_layer_that_does_not_fit(shipped, tiny_llama):
     """The shipped adapters fit the bundled model; on another model the reason names a layer."""
     from helpers import adapter_mismatch, load_model
@@ -415,3 +452,68 @@ def test_adapter_mismatch_names_the_layer_that_does_not_fit(shipped, tiny_llama)
     assert "lacks" in reason or "shape mismatch" in reason
     with pytest.raises(ValueError, match="unknown adapter"):
         adapter_mismatch(model, "no-such-adapter")
+
+
+# --- lesson 05 on a model the shipped adapters do not fit ($COURSE_MODEL) ---------------------
+# This test runs the whole lesson in a kernel (about 20 s on 2 CPU threads), so it is slower
+# than the others in this file.
+
+def test_lesson_05_runs_on_a_model_the_shipped_adapters_do_not_fit(tmp_path, monkeypatch):
+    """Lesson 05 with $COURSE_MODEL naming another model: a tiny random GPT-2 (hidden 64
+    instead of the bundled 256) saved with the bundled tokenizer. The setup cell says in one
+    printed sentence why the shipped adapters do not fit and what still runs, section 6 is
+    skipped, and no cell fails (outputs are not compared with the saved ones)."""
+    import pathlib
+
+    import nbformat
+    from nbclient import NotebookClient
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2,
+                        n_positions=256, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setenv("COURSE_MODEL", str(folder))
+
+    lesson = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "05_lora.ipynb"
+    nb = nbformat.read(lesson, as_version=4)
+    # execute() raises CellExecutionError if any cell fails
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(lesson.parent)}}).execute()
+    printed = {cell.id: "".join(o.get("text", "") for o in cell.outputs
+                                if o.output_type == "stream")
+               for cell in nb.cells if cell.cell_type == "code"}
+    setup = next(text for text in printed.values() if "M parameters" in text)
+    assert "hidden 64" in setup  # the lesson really ran on the tiny model
+    notes = [line for line in setup.splitlines() if "shipped adapters" in line]
+    assert len(notes) == 1, setup
+    assert "shape mismatch" in notes[0] and "section 6" in notes[0] and "skipped" in notes[0]
+    assert "training, saving, reloading and merging" in notes[0]
+    assert any(text.startswith("Skipped: the shipped adapters do not fit")
+               or "\nSkipped: the shipped adapters do not fit" in text
+               for text in printed.values())
+    assert any("merged by hand == merged by peft: True" in text for text in printed.values())
+    assert any("reloaded == trained: True" in text for text in printed.values())
+
+
+def test_held_out_parts_of_free_text_answers():
+    """scripts/train_adapters.py grades the adapters' free-text answers part by part (the
+    numbers on the adapters' card): the right template, then each name, animal, place and
+    object the answer copies from its sentence, in order."""
+    from scripts.train_adapters import answer_part_rates
+
+    want = ("The wind was blowing, and Oscar never saw the jar of honey again. Sam was sad for "
+            "a long time. The end.")
+    wrong_name = want.replace("Oscar", "Rosa")
+    wrong_template = "The jar of honey broke, and Oscar walked home in the rain, tired and sad. The end."
+    rates = answer_part_rates([want, wrong_name, wrong_template], [want] * 3)
+    assert rates == pytest.approx({"format": 2 / 3, "names": 1 / 3, "object": 1.0})
+    title = "The owl, the mouse and the jar of honey"
+    rates = answer_part_rates(["The hen, the hen and the jar of honey", title], [title] * 2)
+    assert rates == {"format": 1.0, "animals": 0.5, "object": 1.0}

@@ -9,7 +9,8 @@ import torch
 from helpers.quantization import (LLAMA2_70B, conv1d_to_linear, dequantize,
                                   dequantize_model, footprint, gpu_memory_estimate,
                                   kv_cache_plan, perplexity, quantization_errors, quantize,
-                                  quantize_model, quiet_stderr)
+                                  quantize_model)
+from helpers.quiet import quiet_stderr
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +431,7 @@ def test_torchao_int8_weight_only(tiny_gpt2):
 def test_import_torchao_says_how_to_install(monkeypatch):
     import sys
 
-    from helpers.quantization import import_torchao
+    from helpers.quiet import import_torchao
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # makes `import torchao` fail
     with pytest.raises(ImportError, match="pip install torchao"):

@@ -629,7 +629,7 @@ def test_json_mode_closes_within_the_budget(tokenizer):
     from helpers.server.json_mode import JsonMode
 
     json_mode = JsonMode(tokenizer)
-    compiled = json_mode.index_for(Score.model_json_schema())
+    compiled = json_mode.compile(Score.model_json_schema())
     eos = tokenizer.eos_token_id
     for budget in (24, 40):
         guide = json_mode.guide(compiled)

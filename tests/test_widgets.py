@@ -59,3 +59,33 @@ def test_rerun_controls_call_the_function_with_the_values():
     assert calls == [(8, "per-tensor")]
     with pytest.raises(ValueError, match="control 'bad'"):
         rerun_controls(lambda bad: None, bad=())
+
+
+def test_show_diagram_reads_the_repository_and_says_when_it_is_not_there(monkeypatch, tmp_path):
+    import helpers.widgets as widgets
+
+    shown = []
+    monkeypatch.setattr(widgets, "_display", shown.append)
+    widgets.show_diagram("kv_cache")  # from the repository's img/
+    assert shown and shown[0].data.startswith(PNG_MAGIC)
+    with pytest.raises(ValueError, match=r"no diagram named 'kv-cache'.*known: \[.*'kv_cache'"):
+        widgets.show_diagram("kv-cache")
+    monkeypatch.setattr(widgets, "DIAGRAMS_DIR", tmp_path / "img")  # installed without the repo
+    with pytest.raises(FileNotFoundError, match="img/ folder.*clone of the repository"):
+        widgets.show_diagram("kv_cache")
+
+
+def test_every_diagram_a_lesson_shows_exists():
+    import json
+    import re
+
+    from helpers.widgets import DIAGRAMS_DIR
+
+    root = DIAGRAMS_DIR.parent
+    named = set()
+    for lesson in sorted((root / "lessons").glob("*.ipynb")):
+        for cell in json.loads(lesson.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                named |= set(re.findall(r"show_diagram\(\"(\w+)\"\)", "".join(cell["source"])))
+    assert len(named) >= 7
+    assert not [n for n in sorted(named) if not (DIAGRAMS_DIR / f"{n}.png").is_file()]

@@ -3,7 +3,7 @@ different adapter on every row. (Lesson 07.)
 
 The HTTP side (``app.py``) never touches the model. It checks a request (``Engine.prepare``:
 tokens, limits, adapter, JSON schema), hands it over (``Engine.submit``) and reads the
-request's events from an ``asyncio.Queue``. The scheduler thread loops:
+request's events from an ``asyncio.Queue``. The scheduler thread repeats ``Engine.step``:
 
 1. drop the rows whose client went away (``filter_batch``, lesson 03);
 2. admit waiting requests into the free slots: their prompts are padded into a new batch, read
@@ -56,7 +56,7 @@ class Prepared:
     params: GenerationParams
     max_new_tokens: int
     adapter: str | None          # the name loaded in the engine's MultiLora, None for none
-    index: object | None         # the compiled JSON schema (json_mode.CompiledSchema)
+    schema: object | None        # the compiled JSON schema (json_mode.CompiledSchema)
     seed: int | None             # the sampling seed (drawn at random when not given)
 
 
@@ -117,8 +117,8 @@ class _Row:
         if self.sampling:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(prepared.seed)
-        self.schema = prepared.index
-        self.guide = engine.json.guide(prepared.index) if prepared.index is not None else None
+        self.schema = prepared.schema
+        self.guide = engine.json.guide(prepared.schema) if prepared.schema is not None else None
         self.penalty = (params.repetition_penalty
                         if params.repetition_penalty not in (None, 1.0) else None)
         # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
@@ -251,9 +251,9 @@ class Engine:
                           f"`inputs` tokens and {max_new} `max_new_tokens`")
         adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
                                         params.api_token)
-        index = self.json.index_for(params.schema) if params.schema is not None else None
-        if index is not None:
-            shortest = index.distance.get(index.index.get_initial_state())
+        schema = self.json.compile(params.schema) if params.schema is not None else None
+        if schema is not None:
+            shortest = schema.distance.get(schema.automaton.get_initial_state())
             if shortest is not None and shortest + 1 > max_new:   # + 1: the EOS after it
                 raise invalid(f"JSON mode: the shortest answer this schema allows takes "
                               f"{shortest} tokens of this model, plus the end token; "
@@ -261,7 +261,7 @@ class Engine:
         seed = None
         if params.sampling:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return Prepared(prompt, list(ids), params, max_new, adapter, index, seed)
+        return Prepared(prompt, list(ids), params, max_new, adapter, schema, seed)
 
     def submit(self, prepared: Prepared, loop, queue, tag: int = 0) -> Handle:
         """Queue a prepared request; its events will go to ``queue`` (an asyncio.Queue of
@@ -319,16 +319,33 @@ class Engine:
                     break
             try:
                 with self._model_lock, torch.inference_mode():
-                    self._drop_cancelled()
-                    with self._cond:
-                        new = self._take_waiting()
-                    if new:
-                        self._prefill(new)
-                    if len(self._batch):
-                        self._decode()
+                    self.step()
             except Exception as err:   # the model failed: fail the rows, keep serving
                 log.error("generation failed:\n%s", traceback.format_exc())
                 self._fail_rows(f"generation failed: {type(err).__name__}: {err}")
+
+    def step(self) -> None:
+        """One turn of the scheduler loop: continuous batching (lesson 03) in which every row
+        may use its own adapter (lesson 06). Runs in the scheduler thread, which holds the
+        model lock. Lesson 07 shows this method."""
+        # 1. Rows whose client went away leave before any work is spent on them.
+        self._drop_cancelled()
+        # 2. Free slots go to waiting requests. Their prompts are left-padded into a batch of
+        #    their own and read in one forward pass, the prefill, which gives each its first
+        #    token. Rows already finished (one token was all they needed) are filtered out,
+        #    the rest merge into the running batch.
+        with self._cond:
+            new = self._take_waiting()
+        if new:
+            prefill = self._new_batch(new)
+            self._forward(prefill, "prefill")
+            self._batch = merge_batches(self._batch, filter_batch(prefill))
+            self.stats["rows_max"] = max(self.stats["rows_max"], len(self._batch))
+        # 3. One decode step: every running row, new or old, gets its next token; the rows
+        #    that finished leave the batch and free their slots for the next turn.
+        if len(self._batch):
+            self._forward(self._batch, "decode")
+            self._batch = filter_batch(self._batch)
 
     def _take_waiting(self) -> list[Handle]:
         free = self.max_batch_size - len(self._rows)
@@ -352,24 +369,19 @@ class Engine:
                 self.stats["cancelled"] += 1
         self._batch = filter_batch(batch)
 
-    def _prefill(self, handles: list[Handle]) -> None:
+    def _new_batch(self, handles: list[Handle]) -> Batch:
+        """The rows of newly admitted requests and their prompts, left-padded (as
+        ``helpers.init_batch`` of lesson 03 does before its forward pass)."""
         for handle in handles:
             self._rows[handle.id] = _Row(handle, self)
         input_ids, attention_mask = left_pad([h.prepared.input_ids for h in handles], self.pad_id)
-        batch = Batch(request_ids=[h.id for h in handles],
-                      max_tokens=[h.prepared.max_new_tokens for h in handles],
-                      token_ids=[[] for _ in handles], done=[False] * len(handles),
-                      input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask))
-        self._step(batch, "prefill")   # a failure here fails every row (see _run)
-        self._batch = merge_batches(self._batch, filter_batch(batch))
-        self.stats["rows_max"] = max(self.stats["rows_max"], len(self._batch))
+        return Batch(request_ids=[h.id for h in handles],
+                     max_tokens=[h.prepared.max_new_tokens for h in handles],
+                     token_ids=[[] for _ in handles], done=[False] * len(handles),
+                     input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids_from_mask(attention_mask))
 
-    def _decode(self) -> None:
-        self._step(self._batch, "decode")
-        self._batch = filter_batch(self._batch)
-
-    def _step(self, batch: Batch, kind: str) -> None:
+    def _forward(self, batch: Batch, kind: str) -> None:
         """One forward pass for ``batch``, one token per row, events out, finished rows
         marked done (the caller filters them out)."""
         start = time.perf_counter()

@@ -120,21 +120,22 @@ def bounded_integers_as_enums(schema):
 
 @dataclass
 class CompiledSchema:
-    """A schema ready for guides: the outlines-core ``Index``; for each state of its automaton
+    """A schema ready for guides: its token-level automaton (``automaton``, an outlines-core
+    ``Index``: states, and for each state the tokens allowed and where they lead); for each state
     the fewest tokens that complete the JSON (``distance``); and for each state its allowed
     tokens with the distance each one leads to (``moves``: two tensors), and the largest of
     those (``worst``). Tensors, not dicts: with a 50k-token vocabulary the automaton has
     about a million transitions."""
 
-    index: object
+    automaton: object
     distance: dict
     moves: dict
     worst: dict
 
     @classmethod
-    def build(cls, index) -> "CompiledSchema":
-        transitions = index.get_transitions()      # state -> {token: next state}
-        finals = set(index.get_final_states())
+    def build(cls, automaton) -> "CompiledSchema":
+        transitions = automaton.get_transitions()      # state -> {token: next state}
+        finals = set(automaton.get_final_states())
         # Breadth-first search backwards from the final states.
         incoming: dict[int, set[int]] = {}
         for state, moves in transitions.items():
@@ -156,13 +157,14 @@ class CompiledSchema:
                                  dtype=torch.int32)
             moves[state] = (tokens, after)
             worst[state] = int(after.max()) if len(after) else 0
-        return cls(index, distance, moves, worst)
+        return cls(automaton, distance, moves, worst)
 
 
 class JsonMode:
-    """Schemas to token-level guides for one tokenizer, with the indexes cached. (Lesson 07.)
+    """Schemas to token-level guides for one tokenizer, with the compiled schemas cached.
+    (Lesson 07.)
 
-    ``index_for(schema)`` checks and compiles a schema into a ``CompiledSchema`` (an
+    ``compile(schema)`` checks and compiles a schema into a ``CompiledSchema`` (an
     ``ApiError`` 422 when outlines-core cannot use it); ``guide(compiled)`` starts a new guide
     for one request; ``mask(compiled, guide, size, budget)`` is the additive mask for its next
     token (0 where allowed, -inf elsewhere).
@@ -172,7 +174,7 @@ class JsonMode:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._vocabulary = None
-        self._indexes: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[str, CompiledSchema] = OrderedDict()  # by schema text
         self._lock = threading.Lock()
 
     @staticmethod
@@ -204,16 +206,16 @@ class JsonMode:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             raise invalid(f"invalid JSON schema for JSON mode: {first_line}") from None
 
-    def index_for(self, schema: dict) -> CompiledSchema:
+    def compile(self, schema: dict) -> CompiledSchema:
         """The compiled schema, built once and cached by the schema's text."""
         if not self.available():
             raise invalid("JSON mode needs the outlines-core package, which is not installed "
                           "on this server", 422)
         key = json.dumps(schema, sort_keys=True)
         with self._lock:
-            if key in self._indexes:
-                self._indexes.move_to_end(key)
-                return self._indexes[key]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         from outlines_core import Index
 
         regex = self.regex_for(schema)
@@ -223,16 +225,16 @@ class JsonMode:
             raise invalid(f"JSON mode cannot follow this schema with this model's vocabulary: "
                           f"{err}") from None
         with self._lock:
-            self._indexes[key] = compiled
-            while len(self._indexes) > self.cache_size:
-                self._indexes.popitem(last=False)
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
         return compiled
 
     @staticmethod
     def guide(compiled: CompiledSchema):
         from outlines_core import Guide
 
-        return Guide(compiled.index)
+        return Guide(compiled.automaton)
 
     def allowed(self, compiled: CompiledSchema, guide, budget: int | None = None) -> list[int]:
         """The tokens the guide allows next. With ``budget`` (the tokens left AFTER this one),
@@ -242,7 +244,7 @@ class JsonMode:
             return guide.get_tokens()            # every choice still leaves enough room
         tokens, after = compiled.moves[state]
         in_time = tokens[after <= budget].tolist()
-        if compiled.index.is_final_state(state):
+        if compiled.automaton.is_final_state(state):
             in_time.append(self.tokenizer.eos_token_id)
         return in_time or guide.get_tokens()
 

@@ -47,9 +47,6 @@ class ApiError(Exception):
         self.message = message
         self.error_type = error_type
 
-    def body(self) -> dict:
-        return {"error": self.message, "error_type": self.error_type}
-
 
 def invalid(message: str, status: int = 422) -> ApiError:
     """A validation error (422 unless told otherwise)."""
