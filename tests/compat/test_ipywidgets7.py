@@ -1,7 +1,9 @@
 """helpers/widgets.py under what Colab ships: ipywidgets 7.7.1, IPython 7.34, ipykernel 6.
 
 Run by `make compat` inside its own throwaway environment (constraints-colab.txt), which has
-no torch: the widgets module is loaded from its file, as it has no torch imports itself.
+no torch. helpers/__init__.py imports torch, so the package is stood up as an empty module
+whose path is helpers/: `import helpers.widgets` then runs widgets.py and the one module it
+imports (plots.py), neither of which needs torch.
 """
 
 import base64
@@ -12,11 +14,12 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WIDGETS = ROOT / "helpers" / "widgets.py"
+HELPERS = ROOT / "helpers"
 LOAD = (
-    "import importlib.util\n"
-    f"spec = importlib.util.spec_from_file_location('course_widgets', {str(WIDGETS)!r})\n"
-    "w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)\n"
+    "import sys, types\n"
+    "package = types.ModuleType('helpers'); package.__path__ = [" + repr(str(HELPERS)) + "]\n"
+    "sys.modules['helpers'] = package   # without running helpers/__init__.py (torch)\n"
+    "import helpers.widgets as w\n"
 )
 
 
