@@ -4,7 +4,7 @@ Everything the lessons use is importable from here: ``from helpers import load_m
 Each function's docstring names the lesson that introduces it.
 
 The modules form layers, bottom to top. A module imports only from layers below its own, and
-the modules of one layer do not import each other; a sub-package (``server``) counts
+the modules of one layer do not import each other; a sub-package (``server``, ``paged``) counts
 as one module, whose files build on one another. tests/test_layering.py reads this list and
 checks every import in the package against it, imports inside functions included.
 
@@ -12,10 +12,11 @@ checks every import in the package against it, imports inside functions included
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
     4. batching, quantization, lora  what lessons 02-06 teach
-    5. corpus, plots                 the story world's text, the lessons' figures
-    6. widgets                       notebook display: live plots, controls, diagrams
-    7. server                        lesson 07's server, built on the layers below
-    8. helpers                       this file: the names the lessons import
+    5. paged                         the paged KV cache (lesson 08), on top of lesson 03's batches
+    6. corpus, plots                 the story world's text, the lessons' figures
+    7. widgets                       notebook display: live plots, controls, diagrams
+    8. server                        lesson 07's server, built on the layers below
+    9. helpers                       this file: the names the lessons import
 """
 
 from .batching import (
@@ -86,6 +87,7 @@ from .quantization import (
     quantize_model,
     torchao_int8_weight_only,
 )
+from .paged import BlockManager, PagedKVCache, PoolExhausted, generate_paged
 from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
 from .quiet import import_torchao, quiet_stderr
 from .server import serve_in_background
@@ -112,6 +114,8 @@ __all__ = [
     "load_adapters", "random_adapters", "shipped_adapters",
     # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
     "serve_in_background",
+    # lesson 08: the paged KV cache (helpers.paged holds the rest)
+    "BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged",
 ]
 
 

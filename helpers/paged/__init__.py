@@ -1,0 +1,33 @@
+"""A paged KV cache, prefix caching and chunked prefill. (Lesson 08.)
+
+One idea a module:
+
+    blocks     the block manager: block tables, reference counts, chained block hashes and
+               the LRU of freed cached blocks (plain Python, no tensors)
+    attention  the pool's tensors and the attention function that reads them, registered with
+               transformers' ``AttentionInterface``
+    batching   lesson 03's continuous batching on the paged cache: ``init_paged_batch``,
+               ``paged_next_token``, ``merge_paged_batches``, ``filter_paged_batch`` and the
+               driver ``generate_paged``
+
+It builds on ``helpers.batching`` (lesson 03) and takes a ``helpers.lora.MultiLora``
+(lesson 06) for per-row adapters.
+
+Two words kept apart: a *slot* is, as in lesson 03, a place in the running batch (a request
+takes one while it runs); a token's place in the KV pool is its *pool index*,
+``block * block_size + offset`` (see ``KVPool``).
+"""
+
+from .attention import (PAGED_ATTENTION, KVPool, PagedForward, kv_shape,
+                        model_uses_paged_attention, paged_attention, pool_indices,
+                        register_paged_attention)
+from .batching import (PagedBatch, PagedKVCache, default_num_blocks, filter_paged_batch,
+                       generate_paged, init_paged_batch, merge_paged_batches, paged_next_token)
+from .blocks import BlockManager, PoolExhausted, block_hash
+
+__all__ = [
+    "BlockManager", "KVPool", "PAGED_ATTENTION", "PagedBatch", "PagedForward", "PagedKVCache",
+    "PoolExhausted", "block_hash", "default_num_blocks", "filter_paged_batch", "generate_paged",
+    "init_paged_batch", "kv_shape", "merge_paged_batches", "model_uses_paged_attention",
+    "paged_attention", "paged_next_token", "pool_indices", "register_paged_attention",
+]
