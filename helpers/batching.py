@@ -171,16 +171,9 @@ def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True
     )
     next_tokens = output.logits[:, -1, :].argmax(dim=-1).tolist()
 
-    eos = tokenizer.eos_token_id
     for row, token in enumerate(next_tokens):
-        if batch.done[row]:
-            continue
-        if stop_at_eos and token == eos:
-            batch.done[row] = True
-            continue
-        batch.token_ids[row].append(token)
-        if len(batch.token_ids[row]) >= batch.max_tokens[row]:
-            batch.done[row] = True
+        if not batch.done[row]:
+            take_token(batch, row, token, stop_at_eos, tokenizer.eos_token_id)
 
     # What the next call feeds: each running row its new token; a finished row padding, masked.
     running = torch.tensor([not done for done in batch.done], dtype=torch.long, device=device)
@@ -191,6 +184,18 @@ def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True
     batch.position_ids = batch.attention_mask.sum(dim=1, keepdim=True) - 1
     batch.past_key_values = output.past_key_values
     return batch
+
+
+def take_token(batch, row: int, token: int, stop_at_eos: bool, eos: int | None) -> None:
+    """Give ``token`` to a running ``row`` of ``batch``: EOS (with ``stop_at_eos``) ends the row
+    and is not part of its answer; any other token joins the answer, and the row is done once
+    it has ``max_tokens`` of them. (Lesson 03; lesson 08's paged batches keep the same rule.)"""
+    if stop_at_eos and token == eos:
+        batch.done[row] = True
+        return
+    batch.token_ids[row].append(token)
+    if len(batch.token_ids[row]) >= batch.max_tokens[row]:
+        batch.done[row] = True
 
 
 # --- lesson 03: merging and filtering batches ----------------------------------------------

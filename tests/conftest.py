@@ -17,6 +17,17 @@ COURSE_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: the models are tiny, and a second thread only adds
+    waiting (a lot of it when another process keeps the other core busy). A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled():
     """(model, tokenizer) of the bundled model on CPU."""

@@ -31,14 +31,7 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 HAVE_BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").exists()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: these models are tiny, and a second thread only adds waiting (a lot of it
-    when another process keeps the other core busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see tests/conftest.py
 
 
 # --- models --------------------------------------------------------------------------------

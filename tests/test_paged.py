@@ -25,13 +25,7 @@ from helpers.paged import (PAGED_ATTENTION, BlockManager, PagedBatch, PagedForwa
 from .conftest import COURSE_PROMPTS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: the models are tiny (see tests/test_batching.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see tests/conftest.py
 
 
 # --- queues and references -----------------------------------------------------------------

@@ -39,23 +39,16 @@ SENTENCE = "Tom the fox met Lily the owl at the river and found a red ball."
 ADAPTERS = ["entities", "rhymes", "sad", "title"]
 HAVE_ADAPTERS = all((ADAPTERS_DIR / name / "adapter_model.safetensors").is_file()
                     for name in ADAPTERS)
-# lorax-client 0.6.3 calls pydantic's deprecated .dict() on every request
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The `dict` method is deprecated:DeprecationWarning")
+pytestmark = [
+    # lorax-client 0.6.3 calls pydantic's deprecated .dict() on every request
+    pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),   # see tests/conftest.py
+]
 
 
 def need_adapters():
     if not HAVE_ADAPTERS:
         pytest.skip(f"the shipped adapters {ADAPTERS} are missing from {ADAPTERS_DIR}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread here and in the servers: the model is tiny, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..batching import (Request, Step, Trace, _check_batch_size, _check_requests, _finish,
-                        _pad_id, _progress, _start_trace, _synchronize, left_pad)
+                        _pad_id, _progress, _start_trace, _synchronize, left_pad, take_token)
 from .attention import KVPool, PagedForward, model_uses_paged_attention
 from .blocks import BlockManager, PoolExhausted
 
@@ -165,7 +165,7 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
         _book(cache, batch, row, new)
         if batch.computed[row] < len(batch.sequence(row)):
             continue                      # a chunk of a longer prompt: no token yet
-        _take_token(batch, row, token, stop_at_eos, tokenizer.eos_token_id)
+        take_token(batch, row, token, stop_at_eos, tokenizer.eos_token_id)
     return batch
 
 
@@ -218,17 +218,6 @@ def _book(cache: PagedKVCache, batch: PagedBatch, row: int, new: int) -> None:
         cache.prefill_tokens += new
     batch.computed[row] += new
     cache.manager.commit(batch.request_ids[row], batch.sequence(row)[:batch.computed[row]])
-
-
-def _take_token(batch: PagedBatch, row: int, token: int, stop_at_eos: bool, eos) -> None:
-    """Lesson 03's rule: EOS ends the row (and is not kept); else the token joins the answer,
-    and the row is done at its ``max_tokens``."""
-    if stop_at_eos and token == eos:
-        batch.done[row] = True
-        return
-    batch.token_ids[row].append(token)
-    if len(batch.token_ids[row]) >= batch.max_tokens[row]:
-        batch.done[row] = True
 
 
 def merge_paged_batches(batch1: PagedBatch, batch2: PagedBatch) -> PagedBatch:
