@@ -438,6 +438,45 @@ def server():
     return fig
 
 
+@diagram
+def paged_blocks():
+    """Lesson 08: a pool of fixed-size KV blocks, one block table per request, and a prefix
+    block shared by two requests (reference count 2)."""
+    fig, ax = canvas(11, 4.8)
+    ax.text(5.5, 4.5, "KV pool: 8 blocks of 4 token positions (every layer)", ha="center",
+            fontsize=11, weight="bold")
+    # What each block holds: (owner colour, tokens written, reference count, label).
+    a, b, both = ORANGE, GREEN, PINK
+    pool = [(both, 4, 2, "system prompt\n(hash h0)"), (a, 4, 1, "A's tokens"),
+            (b, 4, 1, "B's tokens"), (a, 2, 1, "A (2 of 4)"), (GREY, 0, 0, "free"),
+            (b, 3, 1, "B (3 of 4)"), (GREY, 0, 0, "free"), (GREY, 0, 0, "free")]
+    for i, (color, filled, refs, label) in enumerate(pool):
+        x = 0.4 + i * 1.3
+        box(ax, x, 2.55, 1.15, 1.2, "", color, fill=0.08)
+        for slot in range(4):   # one small square per token position
+            ax.add_patch(FancyBboxPatch((x + 0.08 + slot * 0.26, 3.2), 0.2, 0.35,
+                                        boxstyle="square,pad=0",
+                                        fc=matplotlib.colors.to_rgba(color, 0.6 if slot < filled else 0.05),
+                                        ec=color, lw=0.8))
+        ax.text(x + 0.575, 2.85, label, ha="center", va="center", fontsize=7.5)
+        ax.text(x + 0.575, 4.0, f"block {i}\nref {refs}", ha="center", va="center", fontsize=8)
+    # Block tables: one list of block ids per request, in token order.
+    for y, name, table, color in ((1.45, "request A", [0, 1, 3], a),
+                                  (0.45, "request B", [0, 2, 5], b)):
+        box(ax, 0.3, y, 1.6, 0.6, name, color, fill=0.3, size=9)
+        ax.text(2.05, y + 0.3, "block table:", va="center", fontsize=9)
+        for j, block in enumerate(table):
+            bx = 3.2 + j * 0.7
+            box(ax, bx, y + 0.05, 0.55, 0.5, str(block), color, fill=0.15, size=9)
+            arrow(ax, bx + 0.27, y + 0.57, 0.4 + block * 1.3 + 0.575, 2.53, color=color, lw=0.9)
+    ax.text(6.1, 1.25, "token i of a request lives in block table[i // 4], at offset i % 4.\n"
+            "Blocks are taken one at a time as a request grows: no padding, no room\n"
+            "held for tokens not produced yet. Block 0 holds the same 4 prompt tokens\n"
+            "for A and B: found by its hash, computed once, counted twice (ref 2).",
+            fontsize=8.5, va="center", color="#333333")
+    return fig
+
+
 def main(names):
     IMG.mkdir(exist_ok=True)
     for name in names or DIAGRAMS:
