@@ -41,6 +41,7 @@ BENCHMARKS = [
     ("bench_quantization.py", "quantization", "lesson 04: quantization"),
     ("bench_lora.py", "lora", "lessons 05-06: multi-LoRA"),
     ("bench_server.py", "bench_server", "lesson 07: the server"),
+    ("bench_paged.py", "bench_paged", "lesson 08: paged KV cache, prefix caching, chunked prefill"),
 ]
 
 
@@ -72,7 +73,7 @@ def headline_rows(out: pathlib.Path) -> list[tuple[str, str, str, str]]:
 
     for name, figures in (("decoding", decoding_rows), ("bench_batching", batching_rows),
                           ("quantization", quantization_rows), ("lora", lora_rows),
-                          ("bench_server", server_rows)):
+                          ("bench_server", server_rows), ("bench_paged", paged_rows)):
         result = _load(out, name)
         if result:
             figures(result, add)
@@ -163,6 +164,21 @@ def server_rows(server, add) -> None:
         add(f"server: {level['clients']} concurrent clients, tokens/s (TTFT p50)",
             f"{level['tokens_per_second']['median']:.0f} "
             f"({level['ttft_p50_seconds']['median'] * 1e3:.0f} ms)")
+
+
+def paged_rows(paged, add) -> None:
+    c, p, g, t = (paged[k] for k in ("concurrency", "prefix", "chunked", "throughput"))
+    add("paged vs padded: requests at once in one KV budget", _x(c["ratio"]), ">= 2x",
+        c["ratio"] >= 2)
+    add(f"TTFT, {p['prefix_tokens']}-token prefix: fresh vs cached (time ratio)", _x(p["ratio"]),
+        ">= 3x", p["ratio"] >= 3)
+    add(f"worst inter-token gap while a long prompt arrives: whole vs chunks of {g['chunk']}",
+        f"{g['whole']['median'] * 1e3:.0f} → {g['chunked']['median'] * 1e3:.0f} ms")
+    add("paged / contiguous continuous batching, course queue (time; the gather's cost)",
+        _x(t["paged_over_contiguous"]))
+    if "generate_batch" in t:
+        add("paged continuous batching vs transformers `generate_batch`, course queue (tokens/s)",
+            f"{t['paged']['tokens_per_second']:.0f} vs {t['generate_batch']['tokens_per_second']:.0f}")
 
 
 def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
