@@ -667,7 +667,7 @@ def test_the_bodies_lorax_client_sends_are_understood():
     assert (prompt, stream, params.adapter_id, params.max_new_tokens, params.seed) == \
         ("Jack", True, "entities", 7, 3)
     assert params.sampling and params.stop == ["."] and params.alternatives == 2
-    assert params.schema == {"type": "object"} and params.truncate == 50
+    assert params.grammar == ("json", {"type": "object"}) and params.truncate == 50
     prompts, params, stream, extras = parse_completion(
         {"model": "title", "prompt": "Jack", "max_tokens": 3, "temperature": 0, "echo": True},
         "bundled")

@@ -251,7 +251,12 @@ class Engine:
                           f"`inputs` tokens and {max_new} `max_new_tokens`")
         adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
                                         params.api_token)
-        schema = self.json.compile(params.schema) if params.schema is not None else None
+        schema = None
+        if params.grammar is not None:
+            kind, value = params.grammar
+            if kind != "json":
+                raise invalid(f"grammar type {kind!r} is not supported")
+            schema = self.json.compile(value)
         if schema is not None:
             shortest = schema.distance.get(schema.automaton.get_initial_state())
             if shortest is not None and shortest + 1 > max_new:   # + 1: the EOS after it

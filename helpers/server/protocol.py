@@ -61,9 +61,16 @@ class GenerationParams:
 
     max_new_tokens None means "the server's default" (see ``Engine.prepare``). Sampling is on
     when ``do_sample`` is set or when any of temperature / top_k / top_p is given (as in TGI and
-    LoRAX); otherwise decoding is greedy. ``schema`` is the JSON schema of JSON mode (None: free
-    text). A matched stop sequence stays in the text (as in LoRAX); the OpenAI route cuts the
-    text before it.
+    LoRAX); otherwise decoding is greedy. ``grammar`` constrains the output: ``("json",
+    schema)`` (JSON mode) or ``("regex", pattern)``; None is free text. A matched stop sequence
+    stays in the text (as in LoRAX); the OpenAI route cuts the text before it.
+
+    max_new_tokens 0 generates nothing (with ``prompt_logprobs``: score the prompt only, the
+    loglikelihood request of evaluation harnesses). ``prompt_logprobs`` asks for every prompt
+    token's log probability (LoRAX/TGI ``decoder_input_details``, OpenAI ``echo`` with
+    ``logprobs``). The penalties follow OpenAI: ``frequency_penalty`` is subtracted from a
+    token's logit once per time it was generated so far, ``presence_penalty`` once if it was;
+    ``logit_bias`` adds a fixed amount to listed token ids.
     """
 
     max_new_tokens: int | None = None
@@ -82,13 +89,18 @@ class GenerationParams:
     adapter_id: str | None = None
     adapter_source: str | None = None
     api_token: str | None = None
-    schema: dict | None = None
+    grammar: tuple[str, Any] | None = None
+    typical_p: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: bool = False
 
     @property
     def sampling(self) -> bool:
         """True when the next token is drawn at random (else: the most likely one)."""
         return bool(self.do_sample or self.temperature is not None or self.top_k is not None
-                    or self.top_p is not None)
+                    or self.top_p is not None or self.typical_p is not None)
 
 
 # --- request bodies ----------------------------------------------------------------------
@@ -241,6 +253,11 @@ def _schema_of(fmt: ResponseFormat | None, where: str) -> dict | None:
     return schema
 
 
+def _grammar_of(fmt: ResponseFormat | None, where: str) -> tuple[str, dict] | None:
+    schema = _schema_of(fmt, where)
+    return None if schema is None else ("json", schema)
+
+
 def _check_common(p: GenerationParams, prefix: str = "") -> None:
     """Range checks shared by both protocols (types were checked by pydantic)."""
     if p.max_new_tokens is not None and p.max_new_tokens < 1:
@@ -299,7 +316,7 @@ def parse_lorax(data: Any) -> tuple[str, GenerationParams, bool]:
         truncate=p.truncate, details=bool(p.details), return_full_text=bool(p.return_full_text),
         alternatives=p.return_k_alternatives, adapter_id=p.adapter_id,
         adapter_source=p.adapter_source, api_token=p.api_token,
-        schema=_schema_of(p.response_format, "parameters.response_format."))
+        grammar=_grammar_of(p.response_format, "parameters.response_format."))
     if p.return_k_alternatives is not None and p.return_k_alternatives < 1:
         raise invalid("`parameters.return_k_alternatives` must be strictly positive")
     _check_common(params, "parameters.")
@@ -358,7 +375,7 @@ def parse_completion(data: Any, model_id: str) -> tuple[list[str], GenerationPar
         ignore_eos_token=bool(request.ignore_eos_token),
         details=True, alternatives=request.logprobs or None,
         adapter_id=adapter, adapter_source=request.adapter_source, api_token=request.api_token,
-        schema=_schema_of(request.response_format, "response_format."))
+        grammar=_grammar_of(request.response_format, "response_format."))
     if params.max_new_tokens is not None and params.max_new_tokens < 1:
         raise invalid(f"`max_tokens` must be at least 1, got {params.max_new_tokens}")
     _check_common(params)

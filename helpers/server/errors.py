@@ -1,0 +1,44 @@
+"""The engine's own errors: what went wrong, in the engine's terms, with no HTTP in them.
+(Lesson 07.)
+
+The engine (and the adapter store, and the grammar compiler) raise these; the HTTP side maps
+each kind to a status code and a body in the protocol the client spoke (LoRAX's
+``{"error", "error_type"}`` or OpenAI's ``{"error": {...}}``). Keeping HTTP out of the engine
+means the same engine could sit behind another front end (gRPC, a notebook, a batch job).
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """A request the engine will not or cannot serve. ``message`` is safe to show a client:
+    it names what is wrong and never holds a traceback or a path on the server's disk."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(EngineError):
+    """The request itself is wrong (too long, an impossible schema, a bad adapter name)."""
+
+
+class TooLarge(InvalidRequest):
+    """The request is larger than the server accepts (a prompt, a schema)."""
+
+
+class NotFound(EngineError):
+    """The request names something the server does not have (an adapter, a model)."""
+
+
+class Overloaded(EngineError):
+    """Too many requests are waiting; retrying later may work."""
+
+
+class Unavailable(EngineError):
+    """The engine is not running (stopping, or its scheduler failed)."""
+
+
+class GenerationFailed(EngineError):
+    """The engine accepted the request but could not finish it (the model raised, a file on
+    the server is broken). The operator's problem, not the client's."""
