@@ -206,3 +206,87 @@ def _check_traces(traces) -> None:
     if not isinstance(traces, dict) or not traces:
         raise ValueError("traces must be a non-empty dict of name -> Trace, e.g. "
                          "{'static': static_trace, 'continuous': continuous_trace}")
+
+
+# --- the paged KV cache (lesson 08) ----------------------------------------------------------
+
+#: Lesson 08 compares a way of doing things with a better one in every figure: the first
+#: (padded cache, no prefix caching, whole prompt) in the colour of lesson 03's static
+#: batching, the second in that of continuous batching, further ones in the next colours.
+COMPARISON_COLOURS = [PALETTE[1], PALETTE[0], PALETTE[2], PALETTE[3], PALETTE[4], PALETTE[5]]
+
+
+def kv_memory_figure(reserved, paged, used, block_size: int) -> Figure:
+    """KV memory at every decode step: padded cache, paged cache, real tokens. (Lesson 8.)
+
+    The three lists hold one number per decode step (lesson 8 gives KiB): what the padded
+    cache reserves (rows × width), what a paged cache with blocks of ``block_size`` tokens
+    holds, and what the rows' real tokens take. The used memory is drawn in black: the floor
+    that the other two are measured against.
+    """
+    series = {"reserved": reserved, "paged": paged, "used": used}
+    for name, values in series.items():
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not len(values):
+            raise ValueError(f"{name} must be a non-empty list of numbers, one per decode step")
+    if len({len(values) for values in series.values()}) != 1:
+        raise ValueError("reserved, paged and used must have one value per decode step each, got "
+                         f"{len(reserved)}, {len(paged)} and {len(used)} values")
+    fig = Figure(figsize=(8, 3.5), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(reserved, color=COMPARISON_COLOURS[0], label="padded cache: reserved (rows × width)")
+    ax.plot(paged, color=COMPARISON_COLOURS[1], label=f"paged cache: blocks of {block_size} held")
+    ax.plot(used, color=PALETTE[7], label="used (real tokens)")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("KV memory (KiB)")
+    ax.set_ylim(0, max(max(values) for values in series.values()) * 1.4)   # room for the legend
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def bars_figure(values: dict, ylabel: str, title: str | None = None) -> Figure:
+    """One bar per way of doing something, its value written on top. (Lesson 8.)
+
+    ``values`` maps a name to a number, the way to beat first: lesson 8 draws the requests
+    that fit in one KV budget (padded, paged) and the streams' worst inter-token gap (whole
+    prompt, chunks). Colours follow ``COMPARISON_COLOURS``.
+    """
+    if not isinstance(values, dict) or not values:
+        raise ValueError("values must be a non-empty dict of name -> number, e.g. "
+                         "{'padded': 8, 'paged': 27}")
+    fig = Figure(figsize=(1.6 + 1.4 * len(values), 3), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
+    for i, (name, value) in enumerate(values.items()):
+        ax.bar(i, value, color=COMPARISON_COLOURS[i % len(COMPARISON_COLOURS)])
+        ax.text(i, value, f"{value:.3g}", ha="center", va="bottom")
+    ax.set_xticks(range(len(values)), list(values))
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.margins(y=0.15)
+    return fig
+
+
+def ttft_figure(ttfts: dict) -> Figure:
+    """Time to first token of each request, one line per setting. (Lesson 8.)
+
+    ``ttfts`` maps a setting (``"no prefix caching"``, ``"prefix caching"``) to the TTFT of
+    request 0, 1, ... in seconds; drawn in milliseconds. Colours follow ``COMPARISON_COLOURS``.
+    """
+    if not isinstance(ttfts, dict) or not ttfts or not all(
+            hasattr(times, "__len__") and len(times) for times in ttfts.values()):
+        raise ValueError("ttfts must be a non-empty dict of setting -> TTFT in seconds of each "
+                         "request, e.g. {'prefix caching': [0.03, 0.005]}")
+    fig = Figure(figsize=(7, 3), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
+    for i, (name, times) in enumerate(ttfts.items()):
+        ax.plot(range(len(times)), [t * 1000 for t in times], marker="o", label=name,
+                color=COMPARISON_COLOURS[i % len(COMPARISON_COLOURS)])
+    longest = max(len(times) for times in ttfts.values())
+    ax.set_xticks(range(longest))
+    ax.set_xlabel("request")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig

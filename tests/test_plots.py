@@ -179,3 +179,66 @@ def test_lower_layers_do_not_import_the_plots():
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
     assert not any(name.startswith(("matplotlib", ".plots", "helpers.plots")) for name in imported)
+
+
+# --- lesson 08's figures -----------------------------------------------------------------------
+
+from helpers.plots import COMPARISON_COLOURS, bars_figure, kv_memory_figure, ttft_figure  # noqa: E402
+
+
+def test_lesson_8_colours_come_from_the_palette():
+    assert set(COMPARISON_COLOURS) <= set(PALETTE)
+    assert len(set(COMPARISON_COLOURS)) == len(COMPARISON_COLOURS)
+
+
+def test_kv_memory_figure_draws_the_three_series_as_given():
+    reserved, paged, used = [40.0, 64.0, 96.0], [32.0, 32.0, 64.0], [20.0, 30.0, 40.0]
+    fig = kv_memory_figure(reserved, paged, used, block_size=16)
+    (ax,) = fig.axes
+    lines = ax.get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [reserved, paged, used]
+    assert [list(line.get_xdata()) for line in lines] == [[0, 1, 2]] * 3
+    assert "blocks of 16" in lines[1].get_label()
+    assert to_hex(lines[2].get_color()) == "#000000"                 # used: the black floor
+    assert {to_hex(line.get_color()) for line in lines} <= {to_hex(c) for c in PALETTE}
+    assert ax.get_xlabel() == "decode step" and ax.get_ylabel() == "KV memory (KiB)"
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > max(reserved)
+    assert png(fig).startswith(b"\x89PNG")
+
+
+def test_bars_figure_draws_one_bar_per_value_in_order():
+    fig = bars_figure({"padded": 8, "paged": 27}, "requests running at once", "one KV budget")
+    (ax,) = fig.axes
+    assert [patch.get_height() for patch in ax.patches] == [8, 27]
+    assert [tick.get_text() for tick in ax.get_xticklabels()] == ["padded", "paged"]
+    assert [to_hex(patch.get_facecolor()) for patch in ax.patches] == \
+        [to_hex(colour) for colour in COMPARISON_COLOURS[:2]]
+    assert [text.get_text() for text in ax.texts] == ["8", "27"]     # each value written on top
+    assert ax.get_ylabel() == "requests running at once" and ax.get_title() == "one KV budget"
+    assert png(fig).startswith(b"\x89PNG")
+
+
+def test_ttft_figure_draws_each_setting_in_milliseconds():
+    ttfts = {"no prefix caching": [0.030, 0.025, 0.027], "prefix caching": [0.031, 0.005, 0.004]}
+    fig = ttft_figure(ttfts)
+    (ax,) = fig.axes
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == list(ttfts)
+    for line, times in zip(lines, ttfts.values()):
+        assert list(line.get_xdata()) == [0, 1, 2]
+        assert list(line.get_ydata()) == pytest.approx([t * 1000 for t in times])
+    assert [to_hex(line.get_color()) for line in lines] == \
+        [to_hex(colour) for colour in COMPARISON_COLOURS[:2]]
+    assert ax.get_xlabel() == "request" and ax.get_ylabel() == "TTFT (ms)"
+    assert png(fig).startswith(b"\x89PNG")
+
+
+def test_lesson_8_figures_refuse_bad_input():
+    with pytest.raises(ValueError, match="one value per decode step"):
+        kv_memory_figure([1, 2, 3], [1, 2], [1, 2, 3], block_size=16)
+    with pytest.raises(ValueError, match="used must be a non-empty list"):
+        kv_memory_figure([1], [1], [], block_size=16)
+    with pytest.raises(ValueError, match="values must be a non-empty dict"):
+        bars_figure({}, "requests")
+    with pytest.raises(ValueError, match="ttfts must be a non-empty dict"):
+        ttft_figure({"prefix caching": []})
