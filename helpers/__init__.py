@@ -12,7 +12,8 @@ checks every import in the package against it, imports inside functions included
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
     4. batching, quantization, lora  what lessons 02-06 teach
-    5. paged                         the paged KV cache (lesson 08), on top of lesson 03's batches
+    5. paged, speculative            the paged KV cache (lesson 08), on top of lesson 03's batches;
+                                     speculative decoding (lesson 09)
     6. corpus, plots                 the story world's text, the lessons' figures
     7. widgets                       notebook display: live plots, controls, diagrams
     8. server                        lesson 07's server, built on the layers below
@@ -90,6 +91,8 @@ from .quantization import (
 from .paged import BlockManager, PagedKVCache, PoolExhausted, generate_paged
 from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
 from .quiet import import_torchao, quiet_stderr
+from .speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
+                          speculative_generate)
 from .server import serve_in_background
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
@@ -116,6 +119,8 @@ __all__ = [
     "serve_in_background",
     # lesson 08: the paged KV cache (helpers.paged holds the rest)
     "BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged",
+    # lesson 09: speculative decoding (helpers.speculative holds the rest)
+    "DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer", "speculative_generate",
 ]
 
 

@@ -290,3 +290,45 @@ def ttft_figure(ttfts: dict) -> Figure:
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
+
+
+# --- speculative decoding (lesson 09) --------------------------------------------------------
+
+def speculation_figure(sweeps: dict, plain_tokens_per_second: float,
+                       predicted: dict | None = None) -> Figure:
+    """Acceptance (left) and tokens per second (right) against k, one line per proposer.
+    (Lesson 09.)
+
+    ``sweeps`` maps a proposer's name to ``{k: (acceptance, tokens per second)}``; plain greedy
+    decoding is the dashed line at ``plain_tokens_per_second``. ``predicted`` (optional) maps a
+    proposer's name to ``{k: tokens per second}`` from the cost model, drawn dotted in the same
+    colour, so that model and measurement can be compared point by point.
+    """
+    if not isinstance(sweeps, dict) or not sweeps or not all(
+            isinstance(points, dict) and points for points in sweeps.values()):
+        raise ValueError("sweeps must be a non-empty dict of proposer -> {k: (acceptance, "
+                         "tokens per second)}, e.g. {'prompt lookup': {1: (0.9, 1500.0)}}")
+    if not plain_tokens_per_second > 0:
+        raise ValueError(f"plain_tokens_per_second must be positive, got {plain_tokens_per_second!r}")
+    fig = Figure(figsize=(9, 3.3), dpi=90, layout="constrained")
+    accept, speed = fig.subplots(1, 2)
+    for i, (name, points) in enumerate(sweeps.items()):
+        colour = PALETTE[i % len(PALETTE)]
+        ks = sorted(points)
+        accept.plot(ks, [points[k][0] for k in ks], marker="o", color=colour, label=name)
+        speed.plot(ks, [points[k][1] for k in ks], marker="o", color=colour, label=name)
+        if predicted and name in predicted:
+            model_ks = sorted(predicted[name])
+            speed.plot(model_ks, [predicted[name][k] for k in model_ks], linestyle=":",
+                       color=colour, label=f"{name}: cost model")
+    speed.axhline(plain_tokens_per_second, linestyle="--", color=PALETTE[7], label="plain greedy")
+    accept.set_ylim(0, 1.05)
+    accept.set_ylabel("guesses accepted")
+    speed.set_ylim(bottom=0)
+    speed.set_ylabel("tokens per second")
+    for ax in (accept, speed):
+        ax.set_xlabel("k (tokens proposed per verify)")
+        ax.grid(alpha=0.3)
+    accept.legend(loc="lower left")
+    speed.legend(loc="best", fontsize=8)
+    return fig

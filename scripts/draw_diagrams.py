@@ -477,6 +477,45 @@ def paged_blocks():
     return fig
 
 
+@diagram
+def speculative():
+    """Lesson 09: a proposer guesses k tokens, one verify pass of the model checks them all,
+    the longest agreeing prefix is kept and the model's own token comes for free."""
+    fig, ax = canvas(11, 5.6)
+    ax.text(0.2, 5.25, "1 · propose: k = 4 cheap guesses (a draft model, or prompt lookup)",
+            fontsize=11, weight="bold")
+    prompt, guesses = ["Jack", " and", " Jill"], [" went", " up", " a", " hill"]
+    choices = [" went", " up", " the", " hill", " to"]
+    cw = 1.05
+    for i, word in enumerate(prompt):
+        box(ax, 0.3 + i * cw, 4.35, cw - 0.1, 0.5, word, GREY, size=9)
+    for i, word in enumerate(guesses):
+        box(ax, 0.3 + (3 + i) * cw, 4.35, cw - 0.1, 0.5, word, PINK, fill=0.35, size=9)
+    ax.text(7.75, 4.6, "4 small steps of the draft\n(or one n-gram look-up)", fontsize=8.5,
+            va="center", color="#333333")
+    ax.text(0.2, 3.75, "2 · verify: the model reads the last token and the 4 guesses in ONE pass",
+            fontsize=11, weight="bold")
+    fed = [" Jill"] + guesses
+    for i, word in enumerate(fed):
+        x = 0.3 + (2 + i) * cw
+        box(ax, x, 2.85, cw - 0.1, 0.5, word, BLUE, fill=0.15, size=9)
+        arrow(ax, x + cw / 2 - 0.05, 2.85, x + cw / 2 - 0.05, 2.35)
+        box(ax, x, 1.8, cw - 0.1, 0.5, choices[i], ORANGE, fill=0.15, size=9)
+    ax.text(0.3, 2.05, "model's own\nnext token:", fontsize=8.5, va="center")
+    ax.text(0.3, 3.1, "fed together:", fontsize=8.5, va="center")
+    ax.text(7.75, 2.6, "output i is the model's choice\nafter guess i; the earlier tokens\n"
+            "come from the KV cache", fontsize=8.5, va="center", color="#333333")
+    ax.text(0.2, 1.25, "3 · keep the guesses that match, take the model's token at the first "
+            "mismatch, crop the cache", fontsize=11, weight="bold")
+    verdicts = [("went ✓", GREEN), ("up ✓", GREEN), ("a ✗ → the", ORANGE), ("hill ✗", GREY)]
+    for i, (text, color) in enumerate(verdicts):
+        box(ax, 0.3 + (3 + i) * cw, 0.35, cw - 0.1, 0.5, text, color, fill=0.3, size=8.5)
+    ax.text(7.75, 0.6, "3 tokens from one pass of the model,\nexactly what greedy decoding "
+            "writes;\nthe keys and values of ' a', ' hill' are cropped", fontsize=8.5,
+            va="center", color="#333333")
+    return fig
+
+
 def main(names):
     IMG.mkdir(exist_ok=True)
     for name in names or DIAGRAMS:

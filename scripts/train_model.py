@@ -38,7 +38,7 @@ def token_blocks(tokenizer, seed: int, n_docs: int, block: int) -> torch.Tensor:
     return torch.tensor(ids[: n * block]).view(n, block)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="helpers/assets/model")
     ap.add_argument("--layers", type=int, default=4)
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

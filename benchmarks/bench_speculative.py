@@ -1,0 +1,255 @@
+"""Benchmark of lesson 09: speculative decoding, greedy, batch 1, on the bundled model.
+
+    python -m benchmarks.bench_speculative            # full run (a few minutes on a laptop CPU)
+    python -m benchmarks.bench_speculative --quick    # fewer prompts and repetitions (< 1 min)
+
+(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+
+What it measures, side by side in one run (each round runs every candidate once, in turn):
+
+1. the copy-heavy task of lesson 09: the answer repeats the prompt (a nursery rhyme followed
+   by its first four words; the model says the rest of it again, to end-of-text). Prompt
+   lookup (k = 8) against plain greedy decoding (``generate_with_cache``): tokens/s, same
+   text. Target >= 1.5x.
+2. story continuation (held-out stories, 48 new tokens, no stop at end-of-text): the draft
+   model against plain greedy, for k = 1, 2, 4: tokens/s ratio and acceptance. The cost model
+   (lesson 09 section 5) gives, for each k, the draft/plain step-time ratio below which the
+   draft pays: c < (E[tokens per verify] * t_step - t_verify(k)) / (k * t_step), with
+   E = (1 - alpha^(k+1)) / (1 - alpha), t_step plain decoding's time per token and t_draft,
+   t_verify the times ``speculative_generate`` measured in the same runs.
+3. ours against transformers, same prompts and k: ``generate(prompt_lookup_num_tokens=8)``
+   on the copy task, ``generate(assistant_model=draft)`` (k = 2, constant schedule) on the
+   stories. Target >= 1.0x tokens/s for both.
+
+Writes ``benchmarks/results/bench_speculative.json`` and ``.md`` and ``speculative.png``
+and prints the table. Exits with status 1 when a target or a same-text check is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+import transformers
+
+from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
+                                   save_figure, verdicts, write_results)
+from benchmarks.timing import time_in_turns
+from helpers import generate_with_cache, load_model
+from helpers.corpus import RHYMES, corpus
+from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
+                                 speculative_generate, transformers_speculative)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGETS = {"lookup": 1.5, "ours_vs_transformers": 1.0}
+LOOKUP_K, DRAFT_KS, HF_DRAFT_K = 8, (1, 2, 4), 2
+COPY_TOKENS, STORY_TOKENS = 60, 48
+
+
+def story_prompts(tokenizer, n: int) -> list[str]:
+    """The first 12 tokens of ``n`` held-out stories (corpus seed 1; lesson 09 section 4)."""
+    stories = [d for d in corpus(seed=1, n_docs=200) if d.startswith("Once upon")][:n]
+    return [tokenizer.decode(tokenizer(d)["input_ids"][:12]) for d in stories]
+
+
+def recite_prompts() -> list[str]:
+    """Each rhyme followed by its first four words (lesson 09 section 6), but Mary's lamb,
+    which the bundled model does not know by heart."""
+    return [text + " " + " ".join(text.split()[:4])
+            for name, (text, *_) in RHYMES.items() if name != "mary"]
+
+
+def run_all(decode, prompts):
+    """A candidate: every prompt through ``decode(prompt)``; returns the results. Under
+    ``torch.inference_mode``, as ``speculative_generate`` runs, so that plain decoding is not
+    slowed by ``no_grad``'s bookkeeping alone."""
+    def run():
+        with torch.inference_mode():
+            return [decode(p) for p in prompts]
+    return run
+
+
+def tokens_of(results) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+def speeds(timings, results_tokens: int) -> dict:
+    """tokens/s of each candidate from the median time of a round."""
+    return {name: results_tokens / timings.median(name) for name in timings.seconds}
+
+
+def copy_task(model, tokenizer, prompts, reps):
+    """Plain vs prompt lookup (ours and transformers') on the copy task, to end-of-text."""
+    plain = lambda p: generate_with_cache(model, tokenizer, p, COPY_TOKENS)  # noqa: E731
+    ours = lambda p: speculative_generate(model, tokenizer, p, PromptLookupProposer(),  # noqa: E731
+                                          k=LOOKUP_K, max_new_tokens=COPY_TOKENS)
+    theirs = lambda p: transformers_speculative(model, tokenizer, p, k=LOOKUP_K,  # noqa: E731
+                                                max_new_tokens=COPY_TOKENS)
+    timings = time_in_turns({"plain": run_all(plain, prompts), "lookup": run_all(ours, prompts),
+                             "transformers lookup": run_all(theirs, prompts)}, repeats=reps)
+    last = timings.last
+    tokens = sum(len(ids) for ids in tokens_of(last["plain"]))
+    tps = speeds(timings, tokens)
+    return {"k": LOOKUP_K, "prompts": len(prompts), "tokens": tokens,
+            "tokens_per_second": tps, "seconds": {n: timings.spread(n) for n in tps},
+            "lookup_over_plain": tps["lookup"] / tps["plain"],
+            "ours_over_transformers": tps["lookup"] / tps["transformers lookup"],
+            "acceptance": _acceptance(last["lookup"]),
+            "tokens_per_verify": _per_verify(last["lookup"]),
+            "same_text": tokens_of(last["lookup"]) == tokens_of(last["plain"])
+            == tokens_of(last["transformers lookup"])}
+
+
+def _acceptance(results) -> float:
+    return sum(r.accepted for r in results) / max(1, sum(r.proposed for r in results))
+
+
+def _alpha(results) -> float:
+    """Per-guess acceptance for the cost model: accepted / (accepted + rejections)."""
+    accepted = sum(r.accepted for r in results)
+    rejections = sum(a < p for r in results for p, a in r.steps)
+    return accepted / max(1, accepted + rejections)
+
+
+def _per_verify(results) -> float:
+    return sum(r.tokens_per_verify * r.verify_steps for r in results) / sum(
+        r.verify_steps for r in results)
+
+
+def story_task(model, draft, tokenizer, prompts, reps):
+    """Plain vs the draft at each k in DRAFT_KS vs transformers' assisted generation."""
+    def ours(k):
+        return lambda p: speculative_generate(model, tokenizer, p, DraftModelProposer(draft), k=k,
+                                              max_new_tokens=STORY_TOKENS, stop_at_eos=False)
+    candidates = {"plain": run_all(lambda p: generate_with_cache(
+        model, tokenizer, p, STORY_TOKENS, stop_at_eos=False), prompts)}
+    candidates |= {f"draft k={k}": run_all(ours(k), prompts) for k in DRAFT_KS}
+    candidates["transformers assisted"] = run_all(lambda p: transformers_speculative(
+        model, tokenizer, p, k=HF_DRAFT_K, draft=draft, max_new_tokens=STORY_TOKENS,
+        stop_at_eos=False), prompts)
+    timings = time_in_turns(candidates, repeats=reps)
+    last = timings.last
+    tokens = sum(len(ids) for ids in tokens_of(last["plain"]))
+    tps = speeds(timings, tokens)
+    by_k = [{"k": k, "tokens_per_second": tps[f"draft k={k}"],
+             "over_plain": tps[f"draft k={k}"] / tps["plain"],
+             "acceptance": _acceptance(last[f"draft k={k}"]), "alpha": _alpha(last[f"draft k={k}"]),
+             "tokens_per_verify": _per_verify(last[f"draft k={k}"])} for k in DRAFT_KS]
+    same = all(tokens_of(last[name]) == tokens_of(last["plain"]) for name in candidates)
+    story = {"prompts": len(prompts), "tokens": tokens, "tokens_per_second": tps,
+             "seconds": {n: timings.spread(n) for n in tps}, "by_k": by_k,
+             "ours_over_transformers": tps[f"draft k={HF_DRAFT_K}"] / tps["transformers assisted"],
+             "same_text": same}
+    story["cost_model"] = cost_model(story, last)
+    return story
+
+
+def cost_model(story, last) -> dict:
+    """Lesson 09 section 5 on the story runs: for each k, the cost model's speed-up over plain
+    decoding and the draft/plain step-time ratio below which the draft pays, with t_draft and
+    t_verify from what ``speculative_generate`` timed in the last round."""
+    t_step = 1 / story["tokens_per_second"]["plain"]
+    rows = []
+    for row in story["by_k"]:
+        k, alpha, runs = row["k"], row["alpha"], last[f"draft k={row['k']}"]
+        passes = sum(r.verify_steps for r in runs)
+        t_draft = sum(r.propose_seconds for r in runs) / (k * passes)
+        t_verify = sum(r.verify_seconds for r in runs) / passes
+        expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+        rows.append({"k": k, "alpha": alpha, "expected_tokens_per_verify": expected,
+                     "draft_over_step": t_draft / t_step, "verify_over_step": t_verify / t_step,
+                     "predicted_over_plain": expected * t_step / (k * t_draft + t_verify),
+                     "measured_over_plain": row["over_plain"],
+                     "pays_below_step_ratio": (expected * t_step - t_verify) / (k * t_step)})
+    return {"rows": rows}
+
+
+def plot(result, path):
+    """tokens/s of every candidate, copy task and stories."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.4))
+    for ax, (title, key) in zip(axes, (("copy task (the answer repeats the prompt), tokens/s", "copy"),
+                                       ("story continuation, tokens/s", "story"))):
+        tps = result[key]["tokens_per_second"]
+        ax.bar(list(tps), list(tps.values()),
+               color=["#999999"] + ["#0072B2"] * (len(tps) - 2) + ["#CC79A7"])
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8, rotation=20)
+        ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
+def markdown(result):
+    c, s = result["copy"], result["story"]
+    tps = lambda d, n: f"{d['tokens_per_second'][n]:.0f}"  # noqa: E731
+    rows = [[f"copy task: prompt lookup k={c['k']} vs plain", f"{tps(c, 'plain')}", tps(c, "lookup"),
+             f"**{c['lookup_over_plain']:.2f}x**", f">= {TARGETS['lookup']}x", c["same_text"]],
+            [f"copy task: ours vs transformers prompt lookup, k={c['k']}",
+             tps(c, "transformers lookup"), tps(c, "lookup"), f"**{c['ours_over_transformers']:.2f}x**",
+             f">= {TARGETS['ours_vs_transformers']}x", c["same_text"]]]
+    for row in s["by_k"]:
+        rows.append([f"stories: draft k={row['k']} vs plain (acceptance {row['acceptance']:.0%})",
+                     tps(s, "plain"), f"{row['tokens_per_second']:.0f}", f"{row['over_plain']:.2f}x",
+                     "", s["same_text"]])
+    rows.append([f"stories: ours vs transformers assisted generation, k={HF_DRAFT_K}",
+                 tps(s, "transformers assisted"), tps(s, f"draft k={HF_DRAFT_K}"),
+                 f"**{s['ours_over_transformers']:.2f}x**", f">= {TARGETS['ours_vs_transformers']}x",
+                 s["same_text"]])
+    model_rows = [[r["k"], f"{r['alpha']:.2f}", f"{r['expected_tokens_per_verify']:.2f}",
+                   f"{r['draft_over_step']:.2f}", f"{r['verify_over_step']:.2f}",
+                   f"{r['predicted_over_plain']:.2f}x", f"{r['measured_over_plain']:.2f}x",
+                   f"{r['pays_below_step_ratio']:.2f}"] for r in s["cost_model"]["rows"]]
+    lines = ["# Speculative decoding benchmark (lesson 09)", "",
+             f"Model: bundled, draft: `helpers/assets/draft`; {result['machine']}; torch "
+             f"{result['torch']}, transformers {result['transformers']}, {result['threads']} "
+             f"thread(s), batch 1, greedy, {result['reps']} repetitions (median); load average "
+             f"before the run {numbers(result['load_average'])}.", "",
+             *markdown_table(["figure", "baseline tokens/s", "ours tokens/s", "ratio", "target",
+                              "same text"], rows, "lrrrrl"), "",
+             "Cost model for the draft on the stories (lesson 09 section 5; times per plain "
+             "decoding step, from the same runs):", "",
+             *markdown_table(["k", "alpha", "E[tokens per verify]", "draft step", "verify pass",
+                              "predicted vs plain", "measured", "pays if draft step <"],
+                             model_rows, "rrrrrrrr")]
+    return "\n".join(lines + ["", "![Speculative decoding](speculative.png)", "",
+                              "Checks: " + verdicts(result["targets_met"]), ""])
+
+
+def targets_met(result) -> dict[str, bool]:
+    c, s = result["copy"], result["story"]
+    return {f"prompt lookup >= {TARGETS['lookup']}x": c["lookup_over_plain"] >= TARGETS["lookup"],
+            "ours >= transformers (lookup)": c["ours_over_transformers"] >= TARGETS["ours_vs_transformers"],
+            "ours >= transformers (assisted)": s["ours_over_transformers"]
+            >= TARGETS["ours_vs_transformers"],
+            "same text everywhere": c["same_text"] and s["same_text"]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 story prompts, 2 repetitions")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    args = parser.parse_args(argv)
+    reps, n = (2, 4) if args.quick else (5, 8)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, tokenizer = load_model(device="cpu")
+    draft, _ = load_model(DRAFT_MODEL_DIR, device="cpu")
+    result = {"reps": reps, "threads": torch.get_num_threads(), "load_average": load_average(),
+              "machine": machine(), "torch": torch.__version__,
+              "transformers": transformers.__version__}
+    print(f"story continuation: plain, draft k={DRAFT_KS}, transformers (x{reps}) ...", flush=True)
+    result["story"] = story_task(model, draft, tokenizer, story_prompts(tokenizer, n), reps)
+    print(f"copy task: plain vs prompt lookup, ours and transformers' (x{reps}) ...", flush=True)
+    result["copy"] = copy_task(model, tokenizer, recite_prompts(), reps)
+    result["targets_met"] = targets_met(result)
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot(result, pathlib.Path(args.out) / "speculative.png")
+    write_results(args.out, "bench_speculative", result, markdown(result))
+    return 0 if all(result["targets_met"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
