@@ -332,3 +332,58 @@ def speculation_figure(sweeps: dict, plain_tokens_per_second: float,
     accept.legend(loc="lower left")
     speed.legend(loc="best", fontsize=8)
     return fig
+
+
+def pass_cost_figure(pass_seconds: dict, draft_step: float | None = None) -> Figure:
+    """What one forward pass costs against the tokens it feeds, in milliseconds. (Lesson 09.)
+
+    ``pass_seconds`` maps the number of new tokens fed in one pass (1, 2, ...) to its time in
+    seconds; ``draft_step`` (optional) is the draft model's pass over one token, drawn as a
+    dashed line to compare with.
+    """
+    if not isinstance(pass_seconds, dict) or not pass_seconds:
+        raise ValueError("pass_seconds must be a non-empty dict of tokens fed -> seconds, "
+                         "e.g. {1: 0.001, 2: 0.0012}")
+    if draft_step is not None and not draft_step > 0:
+        raise ValueError(f"draft_step must be a positive number of seconds, got {draft_step!r}")
+    fig = Figure(figsize=(6, 3), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
+    tokens = sorted(pass_seconds)
+    ax.plot(tokens, [pass_seconds[n] * 1000 for n in tokens], marker="o", color=PALETTE[0],
+            label="model")
+    if draft_step is not None:
+        ax.axhline(draft_step * 1000, color=PALETTE[2], linestyle="--", label="draft, 1 token")
+    ax.set_xlabel("tokens fed in one pass")
+    ax.set_ylabel("ms per pass")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def payoff_figure(ratios, speedups: dict, ours: float | None = None) -> Figure:
+    """The cost model's speed-up against the draft's cost, one curve per k. (Lesson 09.)
+
+    ``ratios`` are draft step / plain step values (the x axis); ``speedups`` maps k to the
+    predicted speed-up at each ratio. The dashed line at 1 is plain decoding: below it the
+    draft does not pay. ``ours`` (optional) marks our draft's ratio with a dotted line.
+    """
+    ratios = list(ratios)
+    if not ratios:
+        raise ValueError("ratios must be a non-empty list of draft step / plain step values")
+    if not isinstance(speedups, dict) or not speedups or not all(
+            hasattr(values, "__len__") and len(values) == len(ratios) for values in speedups.values()):
+        raise ValueError(f"speedups must be a non-empty dict of k -> one predicted speed-up per "
+                         f"ratio ({len(ratios)} values each)")
+    fig = Figure(figsize=(6, 3.2), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
+    for i, (k, values) in enumerate(speedups.items()):
+        ax.plot(ratios, list(values), color=PALETTE[i % len(PALETTE)], label=f"k = {k}")
+    ax.axhline(1, color=PALETTE[7], linestyle="--", linewidth=1)
+    if ours is not None:
+        ax.axvline(ours, color="grey", linestyle=":", label="our draft")
+    ax.set_xlabel("draft step / plain decoding step")
+    ax.set_ylabel("predicted speed-up")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig

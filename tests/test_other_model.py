@@ -1,4 +1,5 @@
-"""Lessons 05-07 with $COURSE_MODEL naming a model the shipped adapters were not trained for.
+"""Lessons 05-07 with $COURSE_MODEL naming a model the shipped adapters were not trained for
+(and lesson 09 with one whose tokenizer is not the course draft's).
 
 The model is a tiny random GPT-2 (hidden 64 instead of the bundled 256) saved with the bundled
 tokenizer, so no hub is needed. Each lesson must say in one printed sentence why the adapters
@@ -89,3 +90,39 @@ def test_lesson_07_serves_the_base_model_only(tiny_gpt2, monkeypatch):
     skipped = [line for text in printed.values() for line in text.splitlines()
                if "skipped, the shipped adapters do not fit" in line]
     assert len(skipped) >= 3, skipped
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_other_tokenizer(tmp_path_factory):
+    """A tiny random GPT-2 whose tokenizer is the bundled one plus a token: not the draft's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2,
+                        n_positions=256, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("models") / "tiny-gpt2-other-tokenizer"
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_lesson_09_runs_prompt_lookup_without_the_draft(tiny_gpt2_other_tokenizer, monkeypatch):
+    """The course's draft does not share this model's tokenizer: one sentence says so, the
+    draft's cells say they are skipped, and prompt lookup still gives plain greedy's tokens."""
+    printed = run_lesson("09_speculative_decoding.ipynb", tiny_gpt2_other_tokenizer, monkeypatch)
+    lines = [line for text in printed.values() for line in text.splitlines()]
+    notes = [line for line in lines if line.startswith("The course's draft does not share")]
+    assert len(notes) == 1 and "prompt lookup" in notes[0]
+    assert any("vocabulary 944" in line for line in lines)   # it really ran on the tiny model
+    assert not any(line.startswith("draft:") for line in lines)
+    assert any("skipped, the course's draft does not share" in line for line in lines)
+    lookup_rows = [line for line in lines if "lookup:" in line and " passes, " in line]
+    assert len(lookup_rows) == 4 and all("same tokens as plain greedy: True" in line
+                                         for line in lookup_rows)
+    assert any(line.startswith("Skipped: the entities adapter does not fit") for line in lines)
+    assert any("'prompt lookup, rhymes, k = 8': True" in line for line in lines)

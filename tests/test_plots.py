@@ -242,3 +242,51 @@ def test_lesson_8_figures_refuse_bad_input():
         bars_figure({}, "requests")
     with pytest.raises(ValueError, match="ttfts must be a non-empty dict"):
         ttft_figure({"prefix caching": []})
+
+
+# --- lesson 09's figures -----------------------------------------------------------------------
+
+from helpers.plots import pass_cost_figure, payoff_figure  # noqa: E402
+
+
+def test_pass_cost_figure_draws_milliseconds_and_the_draft_line():
+    pass_seconds = {1: 0.001, 2: 0.0015, 3: 0.002}
+    fig = pass_cost_figure(pass_seconds, draft_step=0.0004)
+    (ax,) = fig.axes
+    model_line, draft_line = ax.get_lines()
+    assert list(model_line.get_xdata()) == [1, 2, 3]
+    assert list(model_line.get_ydata()) == pytest.approx([1.0, 1.5, 2.0])
+    assert list(draft_line.get_ydata()) == pytest.approx([0.4, 0.4])   # a horizontal line
+    assert [model_line.get_label(), draft_line.get_label()] == ["model", "draft, 1 token"]
+    assert {to_hex(line.get_color()) for line in ax.get_lines()} <= {to_hex(c) for c in PALETTE}
+    assert ax.get_xlabel() == "tokens fed in one pass" and ax.get_ylabel() == "ms per pass"
+    assert len(pass_cost_figure(pass_seconds).axes[0].get_lines()) == 1   # no draft: no line
+    assert png(fig).startswith(b"\x89PNG")
+
+
+def test_payoff_figure_draws_one_curve_per_k_and_the_break_even_line():
+    ratios = [0.0, 0.5, 1.0]
+    speedups = {1: [1.5, 1.0, 0.7], 4: [2.5, 0.9, 0.5]}
+    fig = payoff_figure(ratios, speedups, ours=0.4)
+    (ax,) = fig.axes
+    curves = [line for line in ax.get_lines() if line.get_label().startswith("k = ")]
+    assert [line.get_label() for line in curves] == ["k = 1", "k = 4"]
+    for line, values in zip(curves, speedups.values()):
+        assert list(line.get_xdata()) == ratios and list(line.get_ydata()) == values
+    labels = {line.get_label(): line for line in ax.get_lines()}
+    assert list(labels["our draft"].get_xdata()) == [0.4, 0.4]      # a vertical line at ours
+    assert any(list(line.get_ydata()) == [1, 1] for line in ax.get_lines())   # break-even at 1
+    assert ax.get_xlabel() == "draft step / plain decoding step"
+    assert ax.get_ylabel() == "predicted speed-up"
+    assert png(fig).startswith(b"\x89PNG")
+
+
+def test_lesson_9_figures_refuse_bad_input():
+    with pytest.raises(ValueError, match="pass_seconds must be a non-empty dict"):
+        pass_cost_figure({})
+    with pytest.raises(ValueError, match="draft_step must be a positive"):
+        pass_cost_figure({1: 0.001}, draft_step=0)
+    with pytest.raises(ValueError, match="ratios must be a non-empty list"):
+        payoff_figure([], {1: []})
+    with pytest.raises(ValueError, match="one predicted speed-up per ratio"):
+        payoff_figure([0.0, 0.5], {1: [1.0]})
