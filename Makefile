@@ -23,6 +23,10 @@ PYTHON310   ?= python3.10
 PYTHON312   ?= python3.12
 VENV_310    ?= .venv-py310
 VENV_312    ?= .venv-py312
+# make bench: the grammar-engine comparison (lesson 07's JSON mode) needs the two engines the
+# server does not use, outlines-core and xgrammar, in an environment of their own
+VENV_GRAMMAR ?= .venv-grammar
+STAMP_GRAMMAR := $(VENV_GRAMMAR)/.installed
 PORT        ?= 8888
 PIP_OPTS    ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
@@ -106,8 +110,17 @@ compat: $(STAMP_TF4) $(STAMP_COLAB)
 	PYTHONPATH=. $(VENV_TF4)/bin/python -m pytest -p no:cacheprovider -q tests/test_batching.py
 	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
-bench: $(STAMP)
-	$(PY) -m benchmarks.run_all
+$(STAMP_GRAMMAR): pyproject.toml constraints.txt
+	@test -x $(VENV_GRAMMAR)/bin/python || $(PYTHON) -m venv $(VENV_GRAMMAR)
+	$(VENV_GRAMMAR)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    -c constraints.txt -e . outlines-core==0.2.14 apache-tvm-ffi==0.1.15.post2
+	# xgrammar declares triton (a GPU kernel compiler, 1 GB) that its CPU path never imports
+	$(VENV_GRAMMAR)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    --no-deps xgrammar==0.2.8
+	@touch $@
+
+bench: $(STAMP) $(STAMP_GRAMMAR)
+	BENCH_GRAMMAR_PYTHON=$(VENV_GRAMMAR)/bin/python $(PY) -m benchmarks.run_all
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat

@@ -1,7 +1,7 @@
 """Benchmark of lesson 07: the server under concurrent streaming clients.
 
     python -m benchmarks.bench_server            # full run (about a minute on a 2-core CPU)
-    python -m benchmarks.bench_server --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_server --quick    # one repetition, fewer levels (< 1 minute)
 
 (from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
 
@@ -12,17 +12,23 @@ course prompt with ``max_new_tokens`` new tokens and ``ignore_eos_token`` (so th
 request produces exactly that many tokens, and runs with the same number of requests do the
 same work). Greedy.
 
-What it measures, after a warm-up request:
+The server runs with its default flags (the point of the figures: what a user gets without
+tuning), except one torch thread, as in every benchmark of the course. What it measures, after
+a warm-up request:
 
 1. one after another: 16 requests, each alone on an idle server. Tokens/s = all tokens / wall
    time; TTFT (time to first token: from sending the request to its first event) = "idle"
    TTFT.
 2. concurrently: the same 16 requests at once. Tokens/s = all tokens / wall time from the
    first request sent to the last event received; the clients' TTFT = TTFT "under load".
-3. probes: while a concurrent run streams, single-token requests sent one after another
+3. the bare decode loop: the same 16 requests one after another through lesson 03's loop
+   (``init_batch``, then ``generate_next_token`` until done) on batch 1, in this process: no
+   server, no HTTP. Run 1 / run 3 is what the server keeps of the model's speed at one
+   client (target >= 70%).
+4. probes: while a concurrent run streams, single-token requests sent one after another
    measure the TTFT of a request that joins a busy batch (it waits for the current step, then
    its prefill is merged in).
-4. a sweep over concurrency: 1, 4, 16 and 64 clients, each level that many requests sent at
+5. a sweep over concurrency: 1, 4, 16 and 64 clients, each level that many requests sent at
    once (same prompts, same number of new tokens). Per level: wall time, tokens, tokens/s,
    TTFT p50/p95, and the inter-token latency p50/p95 as the clients see it (the time between
    two consecutive events of one stream, over every stream of the run; events that reach the
@@ -30,11 +36,15 @@ What it measures, after a warm-up request:
    separate clients would, so TTFT includes connecting and the server reading every request
    that arrives at once. Each figure is the median over repetitions, with its spread
    (min-max); the levels take turns within each repetition, so that a slow moment of the
-   machine does not land on one level only. The server's max batch size lets the largest
-   level run as one batch (the largest batch it ran is reported, to check that).
+   machine does not land on one level only.
+6. side by side with ``transformers serve --continuous-batching`` (``server_compare.py``):
+   1, 16 and 64 clients on both servers, OpenAI's streaming ``/v1/completions`` on each, the
+   same prompts and lengths, taking turns. Target: ours >= 1.5x their tokens/s at 16 clients.
 
-Target (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another. Also checks that
-both runs return the same texts, and that every request of the sweep was answered in full.
+Targets (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another; one client >= 70%
+of the bare loop; >= 1.5x transformers serve at 16 clients. Also checks that the runs return
+the same texts (ours among themselves, and ours against transformers serve: greedy on the same
+model), and that every request of the sweep was answered in full.
 
 Writes ``benchmarks/results/bench_server.json`` (all numbers) and ``.md`` (the tables, with
 the machine, threads, load average and date), ``benchmarks/results/server.png`` (tokens/s and
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -59,13 +70,20 @@ import httpx
 
 from benchmarks.results_io import load_average, markdown_table, numbers, verdicts, write_results
 from benchmarks.timing import Candidate, spread, time_in_turns
+from benchmarks.server_compare import (OURS_EXTRA, TransformersServe, openai_at_once,
+                                       theirs_extra)
+from helpers.batching import generate_next_token, init_batch, model_context
 from helpers.server import serve_in_background
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
            "Jack and Jill", "Humpty Dumpty sat"]
-TARGETS = {"speedup": 4.0}
+TARGETS = {"speedup": 4.0, "single_client": 0.70, "transformers": 1.5}
 SWEEP_LEVELS = (1, 4, 16, 64)
+COMPARE_LEVELS = (1, 16, 64)
+#: The number of clients at which ours is held to TARGETS["transformers"].
+COMPARE_TARGET_CLIENTS = 16
+QUICK = {"levels": [1, 16], "compare_levels": [1, 16], "new_tokens": 32, "probes": 3}
 
 
 def percentile(values, q):
@@ -144,7 +162,7 @@ async def concurrently(url, jobs, probes=0, tolerate_errors=False):
 def metrics(url):
     text = httpx.get(url + "/metrics", timeout=10).text
     return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
-            for line in text.splitlines() if line}
+            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def steps_between(before, after):
@@ -204,11 +222,77 @@ def sweep(url, levels, new_tokens, reps):
     return table
 
 
-def one_by_one_and_at_once(url, jobs, reps, probes):
-    """The 16-request runs: one after another, then all at once (and, apart, all at once with
-    single-token probes), taking turns ``reps`` times. Returns what the clients saw."""
-    seen = {"tokens": {"one_after_another": [], "concurrent": []}, "ttft_idle": [],
-            "ttft_load": [], "probes": [], "texts": {}}
+# --- side by side with transformers serve --------------------------------------------------
+
+def side_by_side(url, theirs: TransformersServe, levels, new_tokens, reps):
+    """Each level's requests at once on our server and on ``transformers serve
+    --continuous-batching`` (``theirs``, maybe started already), both through OpenAI's
+    streaming /v1/completions, taking turns (after a warm-up round). Returns one entry per
+    level, or {"error": why} if their server could not run."""
+    model_path = theirs.model_path
+    runs = {n: {"ours": [], "theirs": []} for n in levels}
+
+    def side(n, server_url, extra, name):
+        jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(n)]
+
+        def run():
+            results, seconds = asyncio.run(openai_at_once(server_url, jobs, extra))
+            runs[n][name].append({"seconds": seconds, "texts": [r["text"] for r in results],
+                                  "tokens": sum(r["tokens"] for r in results)})
+            return seconds
+        return Candidate(run, clock=float)
+
+    print("waiting for transformers serve --continuous-batching ...", flush=True)
+    try:
+        with theirs as their_url:
+            candidates = {}
+            for n in levels:
+                candidates[f"ours, {n} clients"] = side(n, url, OURS_EXTRA, "ours")
+                candidates[f"transformers serve, {n} clients"] = side(
+                    n, their_url, theirs_extra(model_path), "theirs")
+            time_in_turns(candidates, repeats=reps, warmup=1, progress="side by side:")
+    except (RuntimeError, OSError, httpx.HTTPError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"levels": [side_by_side_row(n, runs[n], reps) for n in levels]}
+
+
+def side_by_side_row(clients, run, reps):
+    """One level of the side-by-side run: tokens/s of each server (median of the timed
+    repetitions; the first run of each was the warm-up) and their ratio per repetition."""
+    timed = {name: run[name][-reps:] for name in ("ours", "theirs")}
+    rate = {name: [r["tokens"] / r["seconds"] for r in timed[name]] for name in timed}
+    ratios = [a / b for a, b in zip(rate["ours"], rate["theirs"])]
+    differences = [{"ours": a, "theirs": b} for ours, theirs in zip(run["ours"], run["theirs"])
+                   for a, b in zip(ours["texts"], theirs["texts"]) if a != b]
+    return {"clients": clients, "tokens": timed["ours"][0]["tokens"],
+            "ours_tokens_per_second": spread(rate["ours"]),
+            "theirs_tokens_per_second": spread(rate["theirs"]),
+            "ours_over_theirs": statistics.median(ratios),
+            "ours_over_theirs_per_run": [round(r, 2) for r in ratios],
+            "same_texts": not differences, "first_difference": differences[:1]}
+
+
+def bare_loop(model, tokenizer, jobs) -> list[tuple[str, str]]:
+    """The jobs one after another through lesson 03's decode loop on batch 1, in this process
+    (no server, no HTTP): ``init_batch``, then ``generate_next_token`` until the row is done,
+    EOS ignored as the requests ask. Returns each text twice: with the special tokens' text
+    (an EOS in the middle) and without it (a server may leave it out)."""
+    texts = []
+    for prompt, new_tokens in jobs:
+        batch = init_batch(tokenizer, [(prompt, new_tokens)])
+        while not all(batch.done):
+            generate_next_token(model, tokenizer, batch, stop_at_eos=False)
+        ids = batch.token_ids[0]
+        texts.append((tokenizer.decode(ids), tokenizer.decode(ids, skip_special_tokens=True)))
+    return texts
+
+
+def one_by_one_and_at_once(url, jobs, reps, probes, bare):
+    """The 16-request runs: one after another, all at once (and, apart, all at once with
+    single-token probes), and through the bare decode loop (``bare``: a function of the jobs
+    that returns the texts), taking turns ``reps`` times. Returns what the clients saw."""
+    seen = {"tokens": {"one_after_another": [], "concurrent": [], "bare_loop": []},
+            "ttft_idle": [], "ttft_load": [], "probes": [], "texts": {}}
 
     def record(name, results):
         seen["tokens"][name].append(sum(r["tokens"] for r in results))
@@ -229,9 +313,13 @@ def one_by_one_and_at_once(url, jobs, reps, probes):
             seen["probes"] += asyncio.run(concurrently(url, jobs, probes=probes))[2]
         return seconds
 
+    def bare_run():
+        seen["texts"]["bare_loop"] = bare(jobs)
+        seen["tokens"]["bare_loop"].append(sum(n for _, n in jobs))
+
     seen["timings"] = time_in_turns(
         {"one_after_another": Candidate(sequential, clock=float),
-         "concurrent": Candidate(concurrent, clock=float)},
+         "concurrent": Candidate(concurrent, clock=float), "bare_loop": bare_run},
         repeats=reps, warmup=0, progress=f"{len(jobs)} requests,")
     return seen
 
@@ -301,38 +389,71 @@ def plot(result, path):
 # --- the report -------------------------------------------------------------------------------
 
 def markdown(result):
-    seq, con = result["one_after_another"], result["concurrent"]
+    seq, con, bare = result["one_after_another"], result["concurrent"], result["bare_loop"]
     ttft = result["ttft_seconds"]
     rows = [[label, f"{run['seconds']:.2f}", run["tokens"], f"{run['tokens_per_second']:.0f}",
              f"{ttft[key]['p50'] * 1e3:.1f}", f"{ttft[key]['p95'] * 1e3:.1f}"]
             for label, run, key in (("one after another (idle server)", seq, "idle"),
                                     (f"{result['clients']} concurrent clients", con,
                                      "under_load"))]
+    rows.append(["bare decode loop, batch 1, no server", f"{bare['seconds']:.2f}",
+                 bare["tokens"], f"{bare['tokens_per_second']:.0f}", "", ""])
     probe, steps = ttft["probe_under_load"], result["server_steps"]
+    single = result["single_client"]
     lines = [
         "# Server benchmark (lesson 07)", "",
-        f"Model: `{result['model']}`; {result['machine']}; server: {result['threads']} torch "
-        f"thread(s), max batch size {result['max_batch_size']}; run on {result['date']}; "
-        f"load average before the run {numbers(result['load_average'])}, after it "
-        f"{numbers(result['load_average_after'])}.", "",
-        "## 16 requests: one after another versus all at once", "",
+        f"Model: `{result['model']}`; {result['machine']}; server: its default flags, "
+        f"{result['threads']} torch thread(s) (max batch size {result['max_batch_size']}); run "
+        f"on {result['date']}; load average before the run {numbers(result['load_average'])}, "
+        f"after it {numbers(result['load_average_after'])}.", "",
+        "## 16 requests: one after another, all at once, and the bare decode loop", "",
         f"{result['clients']} requests x {result['new_tokens']} new tokens (EOS ignored), "
-        f"streamed over HTTP on 127.0.0.1; {result['reps']} repetition(s), median.", "",
+        f"streamed over HTTP on 127.0.0.1 (`/generate_stream`); the bare decode loop is lesson "
+        f"03's `init_batch` + `generate_next_token` on batch 1 in the benchmark's process; "
+        f"{result['reps']} repetition(s), median.", "",
         *markdown_table(["run", "wall time (s)", "tokens", "tokens/s", "TTFT p50 (ms)",
                          "TTFT p95 (ms)"], rows),
         "",
         f"- concurrent vs one after another: **{result['speedup']:.2f}x** the tokens/s "
         f"(per repetition {min(result['speedup_per_run']):.2f}-"
         f"{max(result['speedup_per_run']):.2f}; target >= {TARGETS['speedup']}x).",
+        f"- one client (one after another) vs the bare decode loop: "
+        f"**{single['server_over_bare_loop']:.0%}** of its tokens/s (per repetition "
+        f"{min(single['per_run']):.0%}-{max(single['per_run']):.0%}; target >= "
+        f"{TARGETS['single_client']:.0%}).",
         f"- TTFT of a request that joins the busy batch (single-token probes sent while the "
         f"{result['clients']} clients stream): p50 {probe['p50'] * 1e3:.1f} "
         f"ms, p95 {probe['p95'] * 1e3:.1f} ms ({probe['n']} probes).",
         f"- server steps during one concurrent run: {steps['decode']} decode, "
         f"{steps['prefill']} prefill; largest batch {steps['rows_max']} rows.",
-        f"- same texts in both runs: {result['same_texts']}.", "",
+        f"- same texts in the three runs: {result['same_texts']}.", "",
     ]
-    lines += sweep_markdown(result)
+    lines += sweep_markdown(result) + side_by_side_markdown(result)
     return "\n".join(lines + ["Targets and checks: " + verdicts(result["targets_met"]), ""])
+
+
+def side_by_side_markdown(result):
+    compared = result["transformers_serve"]
+    lines = ["## Side by side with `transformers serve --continuous-batching`", ""]
+    if "error" in compared:
+        return lines + [f"Not run: {compared['error']}", ""]
+
+    def cell(figure):
+        return f"{figure['median']:.0f} ({figure['min']:.0f}-{figure['max']:.0f})"
+
+    rows = [[row["clients"], row["tokens"], cell(row["ours_tokens_per_second"]),
+             cell(row["theirs_tokens_per_second"]), f"**{row['ours_over_theirs']:.2f}x**",
+             row["same_texts"]] for row in compared["levels"]]
+    return lines + [
+        f"transformers {result['transformers']}: `transformers serve --continuous-batching "
+        f"--device cpu` on the same model folder, {result['threads']} torch thread(s) "
+        f"(OMP_NUM_THREADS). Each level: that many streaming requests at once on OpenAI's "
+        f"`/v1/completions` of each server, the course prompts, {result['new_tokens']} new "
+        f"tokens each with EOS ignored, greedy; tokens counted from each stream's usage. The "
+        f"servers take turns; median over {result['reps']} repetition(s) (min-max).", "",
+        *markdown_table(["clients", "tokens", "ours (tokens/s)", "transformers serve "
+                         "(tokens/s)", "ours / theirs", "same texts"], rows, "rrrrrl"), "",
+        f"Target: >= {TARGETS['transformers']}x at {COMPARE_TARGET_CLIENTS} clients.", ""]
 
 
 def sweep_markdown(result):
@@ -390,71 +511,81 @@ def levels_argument(text):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 repetition of each part instead of 3 (16-request runs) "
-                             "and 5 (sweep)")
+                        help="a smoke run (< 1 minute): 1 repetition of each part instead of 3 "
+                             "(16-request runs, side by side) and 5 (sweep), levels 1 and 16, "
+                             f"{QUICK['new_tokens']} new tokens, {QUICK['probes']} probes")
     parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions of the 16-request runs (after a warm-up)")
+                        help="repetitions of the 16-request runs and of the side-by-side run")
     parser.add_argument("--clients", type=int, default=16, help="concurrent requests (16)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
-    parser.add_argument("--levels", type=levels_argument, default=list(SWEEP_LEVELS),
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="new tokens per request (64)")
+    parser.add_argument("--levels", type=levels_argument, default=None,
                         help="concurrent clients of the sweep, comma-separated (1,4,16,64)")
+    parser.add_argument("--compare-levels", type=levels_argument, default=None,
+                        help="clients of the side-by-side run with transformers serve (1,16,64)")
     parser.add_argument("--sweep-reps", type=int, default=None,
                         help="repetitions of the sweep (after a warm-up)")
-    parser.add_argument("--sweep-new-tokens", type=int, default=64,
-                        help="new tokens per request in the sweep (64)")
     parser.add_argument("--max-batch-size", type=int, default=None,
-                        help="server slots (default: the largest number of clients + 4, so that "
-                             "probes find a slot and the largest level runs as one batch)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server "
-                        "(default 1, as the other benchmarks: the bundled model is tiny)")
-    parser.add_argument("--probes", type=int, default=10,
-                        help="single-token probes per concurrent run")
+                        help="server slots (default: the server's own default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the servers "
+                        "and the bare loop (default 1, as the other benchmarks)")
+    parser.add_argument("--probes", type=int, default=None,
+                        help="single-token probes per concurrent run (10)")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
     parser.add_argument("--device", default="cpu", help="server device (default cpu)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
+    full = {"levels": list(SWEEP_LEVELS), "compare_levels": list(COMPARE_LEVELS),
+            "new_tokens": 64, "probes": 10}
+    for key, value in (QUICK if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.reps = args.reps or (1 if args.quick else 3)
     args.sweep_reps = args.sweep_reps or (1 if args.quick else 5)
-    if min(args.reps, args.sweep_reps, args.clients, args.new_tokens, args.sweep_new_tokens) < 1:
-        parser.error("--reps, --sweep-reps, --clients, --new-tokens and --sweep-new-tokens "
-                     "must be at least 1")
-    args.max_batch_size = args.max_batch_size or max(args.clients, *args.levels) + 4
+    if min(args.reps, args.sweep_reps, args.clients, args.new_tokens) < 1:
+        parser.error("--reps, --sweep-reps, --clients and --new-tokens must be at least 1")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
     import torch
-    import transformers
+
+    from helpers.models import load_model, resolve_model_name
 
     started = time.perf_counter()
-    result = {
-        "model": args.model or "bundled", "reps": args.reps, "threads": args.threads,
-        "clients": args.clients, "new_tokens": args.new_tokens,
-        "max_batch_size": args.max_batch_size, "load_average": load_average(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    print("starting the server ...", flush=True)
-    with serve_in_background(args.model, name="bench-server", threads=args.threads,
-                             max_batch_size=args.max_batch_size,
-                             max_queue=4 * max(args.clients, *args.levels),
-                             device=args.device) as url:
+    result = describe_run(args)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
+    print("starting the servers ...", flush=True)
+    options = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}
+    ours = serve_in_background(args.model, name="bench-server", threads=args.threads,
+                               device=args.device, wait=False, **options)
+    # Their server starts now, while ours does (each takes seconds to import and load), and
+    # stays idle until the side-by-side part. (If it cannot start, side_by_side says why.)
+    theirs = TransformersServe(resolve_model_name(args.model), args.threads,
+                               max(args.compare_levels), model_context(model) or 2048)
+    with contextlib.suppress(RuntimeError, OSError):
+        theirs.start()
+    with ours as url, contextlib.ExitStack() as stack:
+        stack.callback(theirs.__exit__)       # stopped even if our part fails
+        with contextlib.suppress(RuntimeError, OSError):
+            theirs.wait()                     # loaded and idle before anything is timed
+        result["max_batch_size"] = httpx.get(url + "/info", timeout=10).json()["max_batch_size"]
         asyncio.run(one_after_another(url, jobs[:2]))        # warm-up
-        seen = one_by_one_and_at_once(url, jobs, args.reps, args.probes)
-        sweep_table = sweep(url, args.levels, args.sweep_new_tokens, args.sweep_reps)
+        bare_loop(model, tokenizer, jobs[:2])
+        seen = one_by_one_and_at_once(url, jobs, args.reps, args.probes,
+                                      lambda js: bare_loop(model, tokenizer, js))
+        sweep_table = sweep(url, args.levels, args.new_tokens, args.sweep_reps)
         rows_max = int(metrics(url).get("rows_max", 0))
-    result.update(summarise(seen), sweep={"new_tokens": args.sweep_new_tokens,
+        compared = side_by_side(url, theirs, args.compare_levels, args.new_tokens, args.reps)
+    result.update(summarise(seen), sweep={"new_tokens": args.new_tokens,
                                           "reps": args.sweep_reps, "rows_max": rows_max,
-                                          "levels": sweep_table})
-    result["targets_met"] = {f"concurrent >= {TARGETS['speedup']}x tokens/s":
-                             result["speedup"] >= TARGETS["speedup"],
-                             "same texts": result["same_texts"],
-                             "sweep requests all answered in full":
-                             not any(row["errors"] for row in sweep_table)}
+                                          "levels": sweep_table},
+                  transformers_serve=compared)
+    result["targets_met"] = targets_met(result)
     result["load_average_after"] = load_average()
     result["benchmark_seconds"] = time.perf_counter() - started
 
@@ -465,23 +596,68 @@ def main(argv=None):
     return 0 if all(result["targets_met"].values()) else 1
 
 
+def describe_run(args) -> dict:
+    """What the result records about the run itself."""
+    import torch
+    import transformers
+
+    return {
+        "model": args.model or "bundled", "reps": args.reps, "threads": args.threads,
+        "clients": args.clients, "new_tokens": args.new_tokens, "quick": args.quick,
+        "load_average": load_average(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def compared_at(result, clients):
+    """The side-by-side row for ``clients``, or None (not measured, or their server failed)."""
+    rows = result["transformers_serve"].get("levels", [])
+    return next((row for row in rows if row["clients"] == clients), None)
+
+
+def targets_met(result) -> dict:
+    single = result["single_client"]["server_over_bare_loop"]
+    at_target = compared_at(result, COMPARE_TARGET_CLIENTS)
+    return {
+        f"concurrent >= {TARGETS['speedup']}x tokens/s": result["speedup"] >= TARGETS["speedup"],
+        f"one client >= {TARGETS['single_client']:.0%} of the bare decode loop":
+            single >= TARGETS["single_client"],
+        f">= {TARGETS['transformers']}x transformers serve at {COMPARE_TARGET_CLIENTS} clients":
+            at_target is not None and at_target["ours_over_theirs"] >= TARGETS["transformers"],
+        "same texts": result["same_texts"],
+        "same texts as transformers serve": bool(result["transformers_serve"].get("levels")) and
+            all(row["same_texts"] for row in result["transformers_serve"]["levels"]),
+        "sweep requests all answered in full":
+            not any(row["errors"] for row in result["sweep"]["levels"]),
+    }
+
+
 def summarise(seen) -> dict:
     """The figures of the 16-request runs, for the result."""
     seq = tokens_per_second(seen, "one_after_another")
     con = tokens_per_second(seen, "concurrent")
+    bare = tokens_per_second(seen, "bare_loop")
     probes = seen["probes"]
+    texts = seen["texts"]
     return {
-        "one_after_another": seq, "concurrent": con,
+        "one_after_another": seq, "concurrent": con, "bare_loop": bare,
         "speedup": con["tokens_per_second"] / seq["tokens_per_second"],
         "speedup_per_run": [round(c / s, 2) for c, s in zip(rates(seen, "concurrent"),
                                                            rates(seen, "one_after_another"))],
+        "single_client": {
+            "server_over_bare_loop": seq["tokens_per_second"] / bare["tokens_per_second"],
+            "per_run": [round(s / b, 3) for s, b in zip(rates(seen, "one_after_another"),
+                                                        rates(seen, "bare_loop"))]},
         "ttft_seconds": {"idle": summary(seen["ttft_idle"]),
                          "under_load": summary(seen["ttft_load"]),
                          "probe_under_load": summary(probes) if probes else
                          {"p50": float("nan"), "p95": float("nan"), "n": 0}},
         "server_steps": {**steps_between(seen["before"], seen["after"]),
                          "rows_max": int(seen["after"].get("rows_max", 0))},
-        "same_texts": seen["texts"]["one_after_another"] == seen["texts"]["concurrent"],
+        "same_texts": texts["one_after_another"] == texts["concurrent"] and all(
+            text in both for text, both in zip(texts["concurrent"], texts["bare_loop"])),
     }
 
 

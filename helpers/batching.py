@@ -20,6 +20,11 @@ The life of a batch, in the order the lessons build it:
 4. ``filter_batch(batch)`` drops the finished rows, then cuts away the padding columns that
    every remaining row has, so the cache does not keep growing.
 
+The server of lesson 07 runs these very functions: it builds its batches from prompts it has
+already tokenized (``batch_from_token_ids``, what ``init_batch`` does after tokenizing) and
+gives ``generate_next_token`` its own ``choose`` (sampling, penalties, grammars) in place of
+the greedy choice.
+
 Static batching (``generate_static``) only uses 1 and 2: a batch runs until its longest request
 is done, and finished rows idle in their slots. Continuous batching (``generate_continuous``)
 uses all four: whenever a row finishes, a request from the queue takes its slot.
@@ -132,15 +137,27 @@ def init_batch(tokenizer, requests: list[Request], request_ids: list[int] | None
         raise ValueError(f"got {len(request_ids)} request_ids for {len(requests)} requests")
     prompts = [prompt for prompt, _ in requests]
     token_lists = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    return batch_from_token_ids(token_lists, [max_tokens for _, max_tokens in requests],
+                                request_ids, _pad_id(tokenizer))
+
+
+def batch_from_token_ids(token_lists: list[list[int]], max_tokens: list[int],
+                         request_ids: list[int], pad_id: int) -> Batch:
+    """``init_batch`` for prompts already tokenized: a new batch of the left-padded
+    ``token_lists``, each row with its ``max_tokens`` and request id. (Lesson 03; the server of
+    lesson 07 tokenizes each request as it arrives and builds its batches with this.)"""
+    if not len(token_lists) == len(max_tokens) == len(request_ids):
+        raise ValueError(f"got {len(token_lists)} token lists, {len(max_tokens)} max_tokens and "
+                         f"{len(request_ids)} request_ids: give one of each per request")
     for rid, ids in zip(request_ids, token_lists):
         if len(ids) == 0:
             raise ValueError(f"request {rid}: the prompt is empty; give the model at least one token")
-    input_ids, attention_mask = left_pad(token_lists, _pad_id(tokenizer))
+    input_ids, attention_mask = left_pad(token_lists, pad_id)
     return Batch(
         request_ids=list(request_ids),
-        max_tokens=[max_tokens for _, max_tokens in requests],
-        token_ids=[[] for _ in requests],
-        done=[False] * len(requests),
+        max_tokens=list(max_tokens),
+        token_ids=[[] for _ in token_lists],
+        done=[False] * len(token_lists),
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
@@ -148,7 +165,8 @@ def init_batch(tokenizer, requests: list[Request], request_ids: list[int] | None
 
 
 @torch.no_grad()
-def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True) -> Batch:
+def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True, *,
+                        choose=None, logits_to_keep: int = 1) -> Batch:
     """Run the model once and add one greedy token to every running row.
     (Lesson 03 writes this function in a cell of its own.)
 
@@ -157,6 +175,12 @@ def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True
     EOS token (with ``stop_at_eos``; EOS is not added to the answer). A finished row that stays
     in the batch (static batching) is fed padding, hidden by the mask: it does nothing useful
     but still takes its slot. Updates ``batch`` in place and returns it.
+
+    The server of lesson 07 uses two more knobs. ``choose`` replaces the greedy choice: it is
+    given the logits the model returned, (rows, positions, vocab), and returns one token id
+    per row (sampling, penalties, grammars: ``helpers.server.sampling``). ``logits_to_keep``
+    is how many positions those logits cover, counted from the end (0: all of them, to score
+    every prompt token in the prefill).
     """
     if len(batch) == 0:
         raise ValueError("the batch is empty: there is nothing to generate")
@@ -167,9 +191,12 @@ def generate_next_token(model, tokenizer, batch: Batch, stop_at_eos: bool = True
         position_ids=batch.position_ids.to(device),
         past_key_values=batch.past_key_values,
         use_cache=True,
-        logits_to_keep=1,   # only the last position's logits are needed
+        logits_to_keep=logits_to_keep,   # by default only the last position's logits
     )
-    next_tokens = output.logits[:, -1, :].argmax(dim=-1).tolist()
+    if choose is None:
+        next_tokens = output.logits[:, -1, :].argmax(dim=-1).tolist()   # greedy
+    else:
+        next_tokens = choose(output.logits)
 
     for row, token in enumerate(next_tokens):
         if not batch.done[row]:

@@ -45,6 +45,35 @@ def sample_continuations() -> str:
     return "\n".join(["| prompt | greedy continuation, 20 tokens (⏎ marks the end-of-text token) |", "|---|---|", *rows])
 
 
+def chat_section() -> str:
+    """The chat template shipped in tokenizer_config.json, and what it makes of a chat."""
+    from helpers import generate_with_cache, load_model
+
+    model, tokenizer = load_model(str(MODEL), device="cpu")
+    messages = [{"role": "user", "content": "Jack and Jill"},
+                {"role": "assistant", "content": " went up the hill to fetch a pail of water."},
+                {"role": "user", "content": "Once upon a time, there was a fox"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    answer = generate_with_cache(model, tokenizer, prompt, max_new_tokens=30).text
+    return f"""
+## Chat template
+
+The model continues text; it was never trained to follow instructions or to take turns. Its
+chat template (`chat_template` in `tokenizer_config.json`, written by
+`scripts/train_tokenizer.py`, applied by `tokenizer.apply_chat_template` and by the course
+server's `/v1/chat/completions`) therefore writes a conversation the way its training text
+looks: a user message is the beginning of a passage, the assistant's answer is the model's
+continuation of it, and the end-of-text token closes each answered passage, as it closes each
+document of the corpus. System messages are left out: the model cannot use them, and text it
+has never seen before a passage only pulls its continuation off course. Chat with it as with a
+completion: give the beginning of a rhyme or a story.
+
+The messages `{json.dumps([m["content"] for m in messages])}`
+(user, assistant, user) become the prompt `{json.dumps(prompt)}`,
+and the model answers (greedy, 30 tokens at most): `{json.dumps(answer)}`.
+"""
+
+
 def adapters_section() -> str:
     """The shipped LoRA adapters (scripts/train_adapters.py), from their training logs."""
     folder = MODEL.parent / "adapters"
@@ -110,6 +139,7 @@ Both scripts are seeded; on the same machine and thread count they give the same
 | step | loss | seconds |
 |---:|---:|---:|
 """ + "\n".join(f"| {r['step']} | {r['loss']:.3f} | {r['seconds']:.0f} |" for r in log["log"][::2]) + "\n"
+    card += chat_section()
     card += adapters_section()
     (MODEL / "README.md").write_text(card)
     print(f"wrote {MODEL / 'README.md'}")

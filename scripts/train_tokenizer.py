@@ -33,6 +33,20 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
                                    unk_token=EOS, model_max_length=256)
 
 
+#: The chat template (tokenizer.apply_chat_template, the server's /v1/chat/completions): the
+#: model continues text, so a user message starts a passage and the answer continues it; the
+#: end-of-text token closes each answered passage; system messages are left out (model card).
+CHAT_TEMPLATE = (
+    "{#- The bundled story model continues text and cannot follow instructions: a user message "
+    "is the start of a passage, the assistant's answer its continuation, and the end-of-text "
+    "token closes each passage. System messages are left out (see the model card). -#}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'user' -%}{{ message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' -%}{{ message['content'] }}{{ eos_token }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vocab-size", type=int, default=4096)
@@ -44,6 +58,7 @@ if __name__ == "__main__":
     cfg_path = pathlib.Path(args.out, "tokenizer_config.json")
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "GPT2TokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     sample = "The quick brown fox jumped over the lazy dog."
     print(f"vocabulary {len(tokenizer)}; {sample!r} -> {tokenizer.tokenize(sample)}")

@@ -106,3 +106,60 @@ def test_every_benchmark_times_with_the_shared_helper(script):
 def test_run_all_knows_every_benchmark():
     assert sorted(s for s, _, _ in run_all.BENCHMARKS) == sorted(
         p.name for p in BENCHMARKS.glob("bench_*.py"))
+
+
+def test_bench_speculative_quick_run(tmp_path):
+    """Lesson 09's benchmark in its quick mode: it runs, writes its files, and every way of
+    decoding gives the same text (the speed targets are for `make bench`, not asserted here)."""
+    import json
+
+    from benchmarks import bench_speculative
+
+    bench_speculative.main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_speculative.json").read_text())
+    assert result["targets_met"]["same text everywhere"]
+    assert [row["k"] for row in result["story"]["by_k"]] == list(bench_speculative.DRAFT_KS)
+    assert (tmp_path / "bench_speculative.md").exists() and (tmp_path / "speculative.png").exists()
+
+
+def test_bench_server_quick_run(tmp_path):
+    """Lesson 07's benchmark in its quick mode, as `make bench` runs it (its own process, the
+    server and transformers serve in theirs): it runs, writes its files, every request is
+    answered in full, and greedy decoding gives the same texts through the server, through
+    the bare decode loop and through transformers serve. (Speed targets are not asserted.)"""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_server", "--quick", "--out",
+                           str(tmp_path)], cwd=BENCHMARKS.parent, timeout=600,
+                          capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "bench_server.json").read_text())
+    checks = result["targets_met"]
+    assert checks["same texts"] and checks["sweep requests all answered in full"]
+    compared = result["transformers_serve"]
+    assert "error" not in compared, compared.get("error")
+    assert [row["clients"] for row in compared["levels"]] == [1, 16]
+    assert all(row["tokens"] == row["clients"] * result["new_tokens"]
+               for row in compared["levels"])
+    assert checks["same texts as transformers serve"], compared["levels"][0]["first_difference"]
+    assert result["single_client"]["server_over_bare_loop"] > 0
+    if done.returncode == 1:          # only a speed target may be missed, not a check
+        assert all(ok for name, ok in checks.items() if "same texts" in name or "answered" in name)
+    assert (tmp_path / "bench_server.md").exists() and (tmp_path / "server.png").exists()
+
+
+def test_summary_rows_of_the_server_benchmark():
+    rows = []
+    result = {"clients": 16, "speedup": 4.5, "single_client": {"server_over_bare_loop": 0.8},
+              "transformers_serve": {"levels": [{"clients": 1, "ours_over_theirs": 1.2},
+                                                {"clients": 16, "ours_over_theirs": 1.4}]}}
+    run_all.server_rows(result, lambda *row: rows.append(row))
+    assert rows[1] == ("server: one client vs the bare decode loop on the same prompts "
+                       "(tokens/s)", "80%", ">= 70%", True)
+    assert rows[2][2:] == ("", None) and rows[3][1:] == ("1.40x", ">= 1.5x", False)
+    rows.clear()
+    run_all.server_rows({**result, "transformers_serve": {"error": "RuntimeError: no command"}},
+                        lambda *row: rows.append(row))
+    assert rows[2][1] == "not run: RuntimeError: no command" and rows[2][3] is False

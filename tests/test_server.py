@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from enum import Enum
@@ -21,7 +22,7 @@ import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-pytest.importorskip("outlines_core")
+pytest.importorskip("llguidance")
 httpx = pytest.importorskip("httpx")
 lorax = pytest.importorskip("lorax")
 openai = pytest.importorskip("openai")
@@ -76,12 +77,13 @@ def traps(tmp_path_factory):
 def servers(traps):
     """Both servers, started at once (each takes seconds to import torch and load the model).
     On the CPU, as the reference, so that answers can be compared exactly."""
+    kv = os.environ.get("COURSE_SERVER_KV")    # "paged": the same tests on lesson 08's cache
     started = {
         "main": serve_in_background(name="test-server", threads=1, adapters=ADAPTERS_DIR,
-                                    device="cpu", max_batch_size=8, max_queue=64,
+                                    device="cpu", max_batch_size=8, max_queue=64, kv_cache=kv,
                                     env={"HF_HUB_OFFLINE": "1"}, wait=False),
         "small": serve_in_background(name="test-small-server", threads=1, adapters=traps,
-                                     device="cpu", max_batch_size=2, max_queue=1,
+                                     device="cpu", max_batch_size=2, max_queue=1, kv_cache=kv,
                                      env={"HF_HUB_OFFLINE": "1"}, wait=False),
     }
     yield started
@@ -127,7 +129,7 @@ def healthy(url) -> bool:
 def metrics(url) -> dict:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
-            for line in text.splitlines() if line}
+            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 # --- lorax-client ------------------------------------------------------------------------------
@@ -136,6 +138,7 @@ def test_health_and_info(server):
     assert healthy(server)
     info = httpx.get(server + "/info").json()
     assert info["max_batch_size"] == 8 and info["max_total_tokens"] == 256
+    assert info["max_best_of"] == 4 and info["max_stop_sequences"] == 4
     assert set(ADAPTERS) <= set(info["adapters_available"])
 
 
@@ -261,10 +264,10 @@ def test_openai_completions(server, reference):
                                             max_tokens=20, stop=[" pail"], stream=True))
     assert "".join(c.choices[0].text for c in chunks) == full[:full.index(" pail")]
     assert chunks[-1].choices[0].finish_reason == "stop"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="no-such-adapter"):
         client.completions.create(model="no-such-adapter", prompt="Jack", max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError, match="best_of"):
-        client.completions.create(model="bundled", prompt="Jack", max_tokens=2, best_of=3)
+        client.completions.create(model="bundled", prompt="Jack", max_tokens=2, best_of=9)
 
 
 # --- JSON mode ---------------------------------------------------------------------------------
@@ -480,17 +483,26 @@ BAD_REQUESTS = [
     ("empty-inputs", "/generate", {"inputs": ""}, 422, "inputs"),
     ("max-new-tokens-as-text", "/generate", _lorax(max_new_tokens="10"), 422, "max_new_tokens"),
     ("max-new-tokens-zero", "/generate", _lorax(max_new_tokens=0), 422, "max_new_tokens"),
+    ("max-tokens-negative", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "max_tokens": -1}, 422, "max_tokens"),
     ("max-new-tokens-over-cap", "/generate", _lorax(max_new_tokens=400), 422, "max_new_tokens"),
     ("input-too-long", "/generate", _lorax("Jack and Jill " * 60), 422, "at most 128"),
     ("bool-as-int", "/", _lorax(do_sample=1), 422, "do_sample"),
-    ("best-of", "/", _lorax(best_of=2, do_sample=True), 422, "best_of"),
+    ("best-of-greedy", "/", _lorax(best_of=2), 422, "sampling"),
+    ("best-of-streamed", "/", {**_lorax(best_of=2, do_sample=True), "stream": True}, 422,
+     "stream"),
+    ("best-of-with-seed", "/generate", _lorax(best_of=2, do_sample=True, seed=3), 422, "seed"),
     ("watermark", "/generate", _lorax(watermark=True), 422, "watermark"),
     ("merged-adapters", "/generate",
      _lorax(merged_adapters={"ids": ["entities", "title"], "weights": [0.5, 0.5]}), 422,
      "merged_adapters"),
-    ("typical-p", "/generate", _lorax(typical_p=0.5), 422, "typical_p"),
-    ("decoder-input-details", "/generate", _lorax(decoder_input_details=True), 422,
-     "decoder_input_details"),
+    ("typical-p-one", "/generate", _lorax(typical_p=1.5), 422, "typical_p"),
+    ("grammar-and-format", "/generate",
+     _lorax(grammar={"type": "regex", "value": "a+"}, response_format={"type": "json_object"}),
+     422, "grammar"),
+    ("grammar-unknown", "/generate", _lorax(grammar={"type": "xml", "value": "a"}), 422,
+     "grammar"),
+    ("top-n-tokens-too-many", "/generate", _lorax(top_n_tokens=50), 422, "alternatives"),
     ("unknown-parameter", "/generate", _lorax(frobnicate=3), 422, "frobnicate"),
     ("temperature-negative", "/generate", _lorax(temperature=-1.0), 422, "temperature"),
     ("top-p-over-one", "/generate", _lorax(top_p=1.5), 422, "top_p"),
@@ -502,7 +514,7 @@ BAD_REQUESTS = [
      422, "/etc"),
     ("adapter-source-s3", "/generate", _lorax(adapter_id="x", adapter_source="s3"), 422, "s3"),
     ("hub-offline", "/generate", _lorax(adapter_id="someone/some-adapter", adapter_source="hub"),
-     424, "offline"),
+     503, "offline"),
     ("schema-invalid", "/generate",
      _lorax(response_format={"type": "json_object", "schema": {"type": "nonsense"}}), 422,
      "schema"),
@@ -513,12 +525,36 @@ BAD_REQUESTS = [
     ("json-too-short", "/generate",
      _lorax(max_new_tokens=3, response_format={"type": "json_object", "schema": SCHEMA}), 422,
      "shortest"),
-    ("openai-n", "/v1/completions", {"model": "bundled", "prompt": "Jack", "n": 2}, 422, "`n`"),
+    ("openai-n", "/v1/completions", {"model": "bundled", "prompt": "Jack", "n": 9}, 422, "`n`"),
+    ("openai-best-of-below-n", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "n": 3, "best_of": 2}, 422, "best_of"),
+    ("openai-best-of-streamed", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "best_of": 2, "stream": True}, 422, "best_of"),
     ("openai-no-prompt", "/v1/completions", {"model": "bundled"}, 422, "prompt"),
-    ("openai-logit-bias", "/v1/completions",
-     {"model": "bundled", "prompt": "Jack", "logit_bias": {"5": 1}}, 422, "logit_bias"),
+    ("openai-logit-bias-key", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "logit_bias": {"x": 1}}, 422, "logit_bias"),
+    ("openai-logit-bias-value", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ("openai-logit-bias-no-such-token", "/v1/completions",
+     {"model": "bundled", "prompt": "Jack", "logit_bias": {"99999": 1}}, 422, "logit_bias"),
     ("openai-penalty", "/v1/completions",
-     {"model": "bundled", "prompt": "Jack", "presence_penalty": 0.5}, 422, "presence_penalty"),
+     {"model": "bundled", "prompt": "Jack", "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ("openai-token-ids-empty", "/v1/completions", {"model": "bundled", "prompt": [[]]}, 422,
+     "prompt"),
+    ("openai-token-id-unknown", "/v1/completions",
+     {"model": "bundled", "prompt": [5, 999999]}, 422, "token"),
+    ("chat-no-messages", "/v1/chat/completions", {"model": "bundled", "messages": []}, 422,
+     "messages"),
+    ("chat-image-part", "/v1/chat/completions",
+     {"model": "bundled", "messages": [{"role": "user", "content": [
+         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 422, "image_url"),
+    ("chat-bad-role", "/v1/chat/completions",
+     {"model": "bundled", "messages": [{"role": "robot", "content": "hi"}]}, 422, "role"),
+    ("chat-unknown-model", "/v1/chat/completions",
+     {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-4"),
+    ("chat-top-logprobs-alone", "/v1/chat/completions",
+     {"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     422, "logprobs"),
     ("no-such-route", "/nowhere", {}, 404, "/nowhere"),
     ("body-too-large", "/generate", {"inputs": "x" * (1 << 20)}, 413, "bytes"),
 ]
@@ -535,7 +571,8 @@ def test_bad_requests_get_the_right_status(server, route, body, status, words):
     assert reply.status_code == status, reply.text
     error = reply.json()
     assert set(error) == {"error", "error_type"}
-    assert error["error_type"] == ("validation" if status < 424 else "generation")
+    expected_type = {404: "not_found", 503: "unavailable"}.get(status, "validation")
+    assert error["error_type"] == expected_type
     message = error["error"]["message"] if route.startswith("/v1/") else error["error"]
     assert words in message
     assert healthy(server)
@@ -546,8 +583,8 @@ def test_wrong_method_and_stream_errors_keep_lorax_shape(server):
     assert reply.status_code == 405 and reply.json()["error_type"] == "validation"
     with pytest.raises(lorax.errors.ValidationError, match="max_new_tokens"):
         list(lorax.Client(server).generate_stream("Jack", max_new_tokens=1000))
-    with pytest.raises(lorax.errors.ValidationError, match="best_of"):
-        lorax.Client(server).generate("Jack", max_new_tokens=2, best_of=2, do_sample=True)
+    with pytest.raises(lorax.errors.NotFoundError, match="nope"):
+        list(lorax.Client(server).generate_stream("Jack", max_new_tokens=2, adapter_id="nope"))
 
 
 def test_adapter_safety(small_server):
@@ -579,78 +616,23 @@ def test_the_server_ends_when_its_stdin_closes(servers, small_server):
         httpx.get(small_server + "/health", timeout=2)
 
 
-def test_starting_again_under_a_name_replaces_the_old_server(servers, server):
+def test_starting_again_under_a_name_replaces_the_old_server(servers, server, tmp_path):
     """Re-running a notebook cell: the server started before under that name is stopped."""
     from helpers.server.background import _RUNNING
 
     old = servers["main"]
     assert _RUNNING["test-server"] is old and old.running
-    with pytest.raises(RuntimeError, match="did not start"):   # a bad flag: exits at once
+    with pytest.raises(ValueError, match="log_level"):   # a bad option: refused, nothing stops
         serve_in_background(name="test-server", log_level="nonsense", timeout=60)
+    assert old.running
+    with pytest.raises(RuntimeError, match="did not start"):   # no such model: exits at once
+        serve_in_background(name="test-server", model=str(tmp_path / "missing"), timeout=60,
+                            env={"HF_HUB_OFFLINE": "1"})
     assert not old.running
     assert "test-server" not in _RUNNING
 
 
 # --- pieces, without a server --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from helpers import load_tokenizer
-
-    return load_tokenizer()
-
-
-def test_token_bytes_are_what_the_tokenizer_writes(tokenizer):
-    from helpers.server.json_mode import token_bytes
-
-    table = token_bytes(tokenizer)
-    assert tokenizer.eos_token_id not in table
-    checked = 0
-    for token_id, data in table.items():
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:          # a piece of a multi-byte character
-            continue
-        assert tokenizer.decode([token_id]) == text, token_id
-        checked += 1
-    assert checked > 0.5 * len(table)
-
-
-def test_json_mode_closes_within_the_budget(tokenizer):
-    """Even a model that always picks the token leading furthest from the end of the JSON
-    gets a complete answer within its token budget."""
-    from helpers.server.json_mode import JsonMode
-
-    json_mode = JsonMode(tokenizer)
-    compiled = json_mode.compile(Score.model_json_schema())
-    eos = tokenizer.eos_token_id
-    for budget in (24, 40):
-        guide = json_mode.guide(compiled)
-        ids = []
-        for used in range(budget):
-            allowed = json_mode.allowed(compiled, guide, budget - used - 1)
-            tokens, after = compiled.moves[guide.get_state()]
-            far = dict(zip(tokens.tolist(), after.tolist()))
-            worst = max((t for t in allowed if t != eos), key=far.get, default=eos)
-            if worst == eos:
-                break
-            guide.advance(worst, return_tokens=False)
-            ids.append(worst)
-        assert guide.is_finished()
-        Score.model_validate_json(tokenizer.decode(ids))
-
-
-def test_bounded_integers_become_enums():
-    from helpers.server.json_mode import bounded_integers_as_enums
-
-    schema = Ball.model_json_schema()
-    converted = bounded_integers_as_enums(schema)
-    assert converted["properties"]["size"]["enum"] == [1, 2, 3]
-    assert "minimum" not in converted["properties"]["size"]
-    assert schema["properties"]["size"]["minimum"] == 1           # the original is untouched
-    wide = {"type": "integer", "minimum": 0, "maximum": 10**6}
-    assert bounded_integers_as_enums(wide) == wide                # too many values: left alone
-
 
 def test_the_bodies_lorax_client_sends_are_understood():
     from lorax.types import Parameters, Request
@@ -663,16 +645,67 @@ def test_the_bodies_lorax_client_sends_are_understood():
                             return_k_alternatives=2,
                             response_format={"type": "json_object", "schema": {"type": "object"}})
     body = Request(inputs="Jack", stream=True, parameters=parameters).model_dump(by_alias=True)
-    prompt, params, stream = parse_lorax(json.loads(json.dumps(body)))
-    assert (prompt, stream, params.adapter_id, params.max_new_tokens, params.seed) == \
-        ("Jack", True, "entities", 7, 3)
+    call = parse_lorax(json.loads(json.dumps(body)))
+    params = call.params
+    assert (call.prompts, call.stream, params.adapter_id, params.max_new_tokens, params.seed) \
+        == (["Jack"], True, "entities", 7, 3)
     assert params.sampling and params.stop == ["."] and params.alternatives == 2
     assert params.grammar == ("json", {"type": "object"}) and params.truncate == 50
-    prompts, params, stream, extras = parse_completion(
+    call = parse_completion(
         {"model": "title", "prompt": "Jack", "max_tokens": 3, "temperature": 0, "echo": True},
         "bundled")
-    assert prompts == ["Jack"] and params.adapter_id == "title" and not params.sampling
-    assert extras["echo"] and not stream
+    assert call.prompts == ["Jack"] and call.params.adapter_id == "title"
+    assert not call.params.sampling and call.echo and not call.stream
+    assert not call.params.prompt_logprobs          # echo without logprobs: text only
+
+
+def test_engine_errors_become_statuses():
+    """The engine raises its own errors; the HTTP side answers each with its status, in the
+    body shape of the protocol the client spoke. 404 is "not_found", never "validation"
+    (lorax-client would raise ValidationError for it)."""
+    from helpers import load_tokenizer
+    from helpers.server import create_app, errors
+
+    tokenizer = load_tokenizer()
+
+    class Refusing:
+        """Just enough of an engine to reach ``prepare``, which raises ``error``."""
+        model_id, healthy, metrics = "bundled", True, None
+        error: Exception = errors.EngineError("unset")
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def prepare(self, prompt, params):
+            raise self.error
+
+    engine = Refusing()
+    app = create_app(engine, manage_engine=False)
+    cases = [(errors.InvalidRequest("bad"), 422, "validation"),
+             (errors.TooLarge("big"), 413, "validation"),
+             (errors.NotFound("no adapter 'x'"), 404, "not_found"),
+             (errors.Overloaded("busy"), 429, "overloaded"),
+             (errors.Unavailable("stopping"), 503, "unavailable"),
+             (errors.GenerationFailed("failed"), 500, "generation")]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            answers = []
+            for error, _, _ in cases:
+                engine.error = error
+                lorax_reply = await client.post("/generate", json={"inputs": "Jack"})
+                openai_reply = await client.post("/v1/completions",
+                                                 json={"model": "bundled", "prompt": "Jack"})
+                answers.append((lorax_reply, openai_reply))
+            return answers
+
+    for (error, status, error_type), (lorax_reply, openai_reply) in zip(cases,
+                                                                        asyncio.run(main())):
+        assert lorax_reply.status_code == openai_reply.status_code == status
+        assert lorax_reply.json() == {"error": error.message, "error_type": error_type}
+        assert openai_reply.json()["error"] == {"message": error.message, "type": error_type,
+                                                "param": None, "code": status}
 
 
 def _engine_answers(engine, jobs):
@@ -741,6 +774,6 @@ def test_a_failing_model_fails_its_requests_not_the_server(tiny_llama, monkeypat
     finally:
         engine.stop()
     assert failed.status_code == 500
-    assert failed.json() == {"error": "generation failed: RuntimeError: out of memory "
-                                      "(simulated)", "error_type": "generation"}
+    assert failed.json() == {"error": "generation failed; the server's log has the details",
+                             "error_type": "generation"}
     assert served.status_code == 200 and health.status_code == 200

@@ -116,11 +116,20 @@ def init_paged_batch(tokenizer, cache: PagedKVCache, requests: list[Request],
                          f"{len(adapters)} adapters: give one of each per request")
     prompts = [prompt for prompt, _ in requests]
     token_lists = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    return paged_batch_from_token_ids(cache, token_lists, [m for _, m in requests], request_ids,
+                                      adapters)
+
+
+def paged_batch_from_token_ids(cache: PagedKVCache, token_lists: list[list[int]],
+                               max_tokens: list[int], request_ids: list[int],
+                               adapters: list[str | None]) -> PagedBatch:
+    """``init_paged_batch`` for prompts already tokenized (the lesson-07 server's way in).
+    Raises ``PoolExhausted`` when the pool cannot take every request; then no block is taken."""
     computed, taken = [], []
     try:
-        for rid, ids, (_, max_tokens), adapter in zip(request_ids, token_lists, requests, adapters):
+        for rid, ids, max_tokens_, adapter in zip(request_ids, token_lists, max_tokens, adapters):
             # ValueError for an empty prompt or a request id in use; PoolExhausted if full.
-            computed.append(cache.manager.allocate(rid, ids, max_tokens, adapter,
+            computed.append(cache.manager.allocate(rid, ids, max_tokens_, adapter,
                                                    prefix_caching=cache.prefix_caching))
             taken.append(rid)
     except (PoolExhausted, ValueError):
@@ -129,16 +138,16 @@ def init_paged_batch(tokenizer, cache: PagedKVCache, requests: list[Request],
         raise
     cache.cached_tokens += sum(computed)
     return PagedBatch(
-        request_ids=request_ids, max_tokens=[m for _, m in requests],
-        prompt_ids=[list(ids) for ids in token_lists], token_ids=[[] for _ in requests],
-        done=[False] * len(requests), computed=computed,
+        request_ids=list(request_ids), max_tokens=list(max_tokens),
+        prompt_ids=[list(ids) for ids in token_lists], token_ids=[[] for _ in token_lists],
+        done=[False] * len(token_lists), computed=computed,
         block_tables=[cache.manager.tables[rid] for rid in request_ids], adapters=adapters)
 
 
 @torch.no_grad()
 def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
                      stop_at_eos: bool = True, max_prefill_tokens: int | None = None,
-                     lora=None) -> PagedBatch:
+                     lora=None, *, choose=None) -> PagedBatch:
     """Feed every running row its pending tokens, once through the model; a row that has read
     all of them gets its next greedy token. (Lesson 08.)
 
@@ -146,7 +155,9 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
     come first served: a longer prompt is read in chunks over several calls (chunked prefill),
     and a row that gets no tokens this time sits the call out. ``lora`` (a ``MultiLora``)
     applies each row's adapter. Same stopping rule as ``helpers.generate_next_token``. Updates
-    ``batch`` in place and returns it.
+    ``batch`` in place and returns it. ``choose(logits, rows)`` replaces the greedy choice
+    (as in ``generate_next_token``): the last-position logits (len(rows), 1, vocab) of the
+    batch ``rows`` that caught up, one token id per row back.
     """
     if len(batch) == 0:
         raise ValueError("the batch is empty: there is nothing to generate")
@@ -159,13 +170,20 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
               for row, start, new in zip(rows, starts, new_counts)]
     paged = PagedForward.build(cache.pool, tables, starts, new_counts, model.device)
     # 3. One forward pass over the new tokens of those rows.
-    next_tokens = _forward(model, tokenizer, batch, rows, starts, new_counts, paged, lora)
+    logits = _forward(model, tokenizer, batch, rows, starts, new_counts, paged, lora)
     # 4. Book the written tokens; rows that caught up take their token (lesson 03's rule).
-    for row, new, token in zip(rows, new_counts, next_tokens):
+    for row, new in zip(rows, new_counts):
         _book(cache, batch, row, new)
-        if batch.computed[row] < len(batch.sequence(row)):
-            continue                      # a chunk of a longer prompt: no token yet
-        take_token(batch, row, token, stop_at_eos, tokenizer.eos_token_id)
+    ready = [i for i, row in enumerate(rows)     # not in the middle of a longer prompt
+             if batch.computed[row] == len(batch.sequence(row))]
+    if not ready:
+        return batch
+    if choose is None:
+        next_tokens = logits[ready, -1, :].argmax(dim=-1).tolist()      # greedy
+    else:
+        next_tokens = choose(logits[ready], [rows[i] for i in ready])
+    for i, token in zip(ready, next_tokens):
+        take_token(batch, rows[i], token, stop_at_eos, tokenizer.eos_token_id)
     return batch
 
 
@@ -192,8 +210,8 @@ def _tokens_to_feed(batch: PagedBatch, max_prefill_tokens: int | None):
 
 def _forward(model, tokenizer, batch: PagedBatch, rows: list[int], starts: list[int],
              new_counts: list[int], paged: PagedForward, lora) -> list[int]:
-    """Run the model on the new tokens of ``rows`` (each row with its adapter); returns each
-    row's greedy next token.
+    """Run the model on the new tokens of ``rows`` (each row with its adapter); returns the
+    logits of each row's last position, (len(rows), 1, vocab).
 
     The new tokens are padded on the left (the input only, lesson 02's ``left_pad``), and their
     positions count on from each row's history. Padding gets position 0: its keys and values
@@ -208,7 +226,7 @@ def _forward(model, tokenizer, batch: PagedBatch, rows: list[int], starts: list[
     with _adapters(lora, [batch.adapters[row] for row in rows]), model_uses_paged_attention(model):
         output = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
                        use_cache=False, logits_to_keep=1, paged=paged)
-    return output.logits[:, -1, :].argmax(dim=-1).tolist()
+    return output.logits
 
 
 def _book(cache: PagedKVCache, batch: PagedBatch, row: int, new: int) -> None:

@@ -1,9 +1,12 @@
 """A small LoRAX-compatible server built from the course's own helpers. (Lesson 07.)
 
-It puts the course together: continuous batching (lesson 03: ``init_batch``-style prefill,
-``merge_batches``, ``filter_batch``) with one LoRA adapter per row (lesson 06: ``MultiLora``),
-per-request sampling rules and JSON mode (outlines-core), behind LoRAX's REST protocol and
-OpenAI's completions protocol, so the real ``lorax-client`` and ``openai`` packages talk to it.
+It puts the course together: continuous batching (lesson 03's ``init_batch``,
+``generate_next_token``, ``merge_batches``, ``filter_batch``) with one LoRA adapter per row
+(lesson 06: ``MultiLora``), per-request sampling rules and constrained decoding (JSON schemas,
+regular expressions), behind the protocols that clients already speak: LoRAX's REST protocol
+(also TGI's, which huggingface_hub's ``InferenceClient`` uses) and OpenAI's completions and
+chat completions, so the real ``lorax-client``, ``huggingface_hub`` and ``openai`` packages
+talk to it.
 
     python -m helpers.server --port 8080               # from a terminal
 
@@ -12,9 +15,15 @@ OpenAI's completions protocol, so the real ``lorax-client`` and ``openai`` packa
         from lorax import Client
         print(Client(url).generate("Jack and Jill", max_new_tokens=20).generated_text)
 
-Modules: ``engine`` (the scheduler that owns the model), ``app`` (the routes), ``protocol``
-(request bodies and errors), ``json_mode`` (schemas to token masks), ``adapters`` (adapter
-names to loaded adapters), ``background`` (start/stop from Python), ``__main__`` (the command).
+Modules: ``engine`` (the scheduler that owns the model; ``paged_engine`` the same on lesson
+08's paged KV cache), ``sampling`` (how a row's next token is chosen), ``detok`` (tokens to
+text as they come), ``grammar`` (grammars to token masks), ``adapters`` (adapter names to
+loaded adapters), ``errors`` (the engine's own errors); ``app`` (the application: error mapping,
+/health, /info, /metrics), ``routes_lorax`` and ``routes_openai`` (the two families of
+routes), ``runner`` (the request path both share), ``protocol`` (request bodies and their
+checks), ``chat`` (chat messages to a prompt), ``guards`` (what a request must look like
+before any work), ``metrics`` (Prometheus' text format); ``background`` (start/stop from
+Python), ``options`` (the server's options, declared once), ``__main__`` (the command).
 
 Importing this package is cheap: FastAPI, uvicorn and the engine are imported on first use.
 """
@@ -25,11 +34,11 @@ from .background import BackgroundServer, serve_in_background, stop_all
 
 __version__ = "0.1.0"
 
-__all__ = ["ApiError", "BackgroundServer", "Engine", "GenerationParams", "JsonMode",
+__all__ = ["ApiError", "BackgroundServer", "Engine", "GenerationParams", "Grammars",
            "create_app", "serve_in_background", "stop_all", "__version__"]
 
 _LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".protocol",
-         "GenerationParams": ".protocol", "JsonMode": ".json_mode"}
+         "GenerationParams": ".protocol", "Grammars": ".grammar"}
 
 
 def __getattr__(name):

@@ -19,42 +19,37 @@ import socket
 import sys
 import threading
 
+from . import options
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: one per server option (``helpers.server.options``), plus two
+    that ``serve_in_background`` uses to talk to the process it starts."""
     parser = argparse.ArgumentParser(
         prog="python -m helpers.server",
         description="A LoRAX-compatible server: continuous batching, one LoRA adapter per "
                     "request, JSON mode (lesson 07 of Efficiently Serving LLMs).")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on "
-                        "(default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8080, help="port (0: any free port; "
-                        "default 8080)")
-    parser.add_argument("--model", default=None, help="'bundled' (default, or $COURSE_MODEL), "
-                        "a hub id such as 'gpt2', or a local folder")
-    parser.add_argument("--adapters", default=None, help="folder of LoRA adapters, one "
-                        "sub-folder per adapter (default: the course's shipped adapters)")
-    parser.add_argument("--max-batch-size", type=int, default=8,
-                        help="requests generated together (default 8)")
-    parser.add_argument("--max-input-tokens", type=int, default=None,
-                        help="longest prompt in tokens (default: half of max-total-tokens)")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="prompt + new tokens of one request (default: the model's context)")
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests that may wait for a slot; more get 429 (default 64)")
-    parser.add_argument("--default-max-new-tokens", type=int, default=64,
-                        help="new tokens for a request that does not say (default 64)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA if any)")
-    parser.add_argument("--dtype", default=None, help="float32 (default), float16, bfloat16, auto")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    options.add_arguments(parser)
     parser.add_argument("--port-file", default=None,
                         help="write the port actually used to this file once listening")
     parser.add_argument("--watch-stdin", action="store_true",
                         help="exit when standard input closes or the parent process dies (used "
                              "by serve_in_background: the server ends with its notebook)")
     return parser
+
+
+def torch_threads(requested: int | None, device) -> int | None:
+    """The torch threads to use: ``requested`` if given; on the CPU every core but one (at
+    least one), because this process also runs the HTTP side (its event loop needs the
+    interpreter between the model's steps) and the clients are often on the same machine: a
+    model step that takes every core makes each of them wait. None (torch's choice) on a GPU."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be at least 1, got {requested}")
+        return requested
+    if str(device).startswith("cpu"):
+        return max(1, (os.cpu_count() or 1) - 1)
+    return None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -111,27 +106,32 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..lora import ADAPTERS_DIR
     from ..models import load_model
+    from . import guards
     from .app import create_app
     from .engine import Engine
+    from .paged_engine import PagedEngine
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     try:
-        engine = Engine(model, tokenizer,
-                        adapters_dir=args.adapters if args.adapters is not None else ADAPTERS_DIR,
-                        max_batch_size=args.max_batch_size,
-                        max_input_tokens=args.max_input_tokens,
-                        max_total_tokens=args.max_total_tokens, max_queue=args.max_queue,
-                        default_max_new_tokens=args.default_max_new_tokens,
-                        model_id=args.model or os.environ.get("COURSE_MODEL") or "bundled")
+        threads = torch_threads(args.threads, model.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        engine_class = PagedEngine if args.kv_cache == "paged" else Engine
+        engine = engine_class(
+            model, tokenizer,
+            adapters_dir=args.adapters if args.adapters is not None else ADAPTERS_DIR,
+            **{name: getattr(args, name) for name in options.ENGINE_OPTIONS},
+            model_id=args.model or os.environ.get("COURSE_MODEL") or "bundled")
     except ValueError as err:
         parser.error(str(err))
     app = create_app(engine)
+    if guards.is_loopback(args.host):     # only this machine's names (see LoopbackHosts)
+        app.add_middleware(guards.LoopbackHosts)
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=3, lifespan="on")
+                            timeout_graceful_shutdown=3, lifespan="on",
+                            http=guards.http_protocol())    # slow headers are cut off
     server = uvicorn.Server(config)
     if args.watch_stdin:
         _watch_parent(server)

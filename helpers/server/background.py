@@ -3,7 +3,7 @@
 
     from helpers.server import serve_in_background
 
-    server = serve_in_background(max_batch_size=8)     # waits until /health answers
+    server = serve_in_background(max_batch_size=16)    # waits until /health answers
     client = lorax.Client(server.url)
     ...
     server.stop()
@@ -32,6 +32,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from .options import DEFAULTS, command_line, describe
 
 #: The servers this process started and has not stopped yet, by name.
 _RUNNING: dict[str, "BackgroundServer"] = {}
@@ -151,45 +153,37 @@ class BackgroundServer:
 
 
 def serve_in_background(model: str | None = None, adapters: str | os.PathLike | None = None, *,
-                        host: str = "127.0.0.1", port: int | None = None,
-                        max_batch_size: int = 8, max_input_tokens: int | None = None,
-                        max_total_tokens: int | None = None, max_queue: int = 64,
-                        default_max_new_tokens: int | None = None, threads: int | None = None,
-                        device: str | None = None, dtype: str | None = None,
-                        env: dict | None = None, timeout: float = 120.0,
-                        name: str = "default", log_level: str = "warning",
-                        wait: bool = True) -> BackgroundServer:
+                        env: dict | None = None, timeout: float = 120.0, name: str = "default",
+                        wait: bool = True, **options) -> BackgroundServer:
     """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
     (Lesson 07.)
 
-    model, adapters, max_*: as the command's flags (``python -m helpers.server --help``).
-    port:    None picks a free port (the server binds port 0 and reports the one it got).
-    threads: torch CPU threads of the server process.
+    model, adapters and ``options``: the server's options (below, and
+    ``python -m helpers.server --help``), e.g. ``serve_in_background(max_batch_size=16,
+    threads=1)``; an option left out keeps its default. One difference: ``port`` None (the
+    default here) picks a free port (the server binds port 0 and reports the one it got).
     env:     extra environment variables for the server (e.g. ``{"HF_HUB_OFFLINE": "1"}``).
     name:    a server started under a name replaces the one started before under that name
              (so re-running a notebook cell does not leave the old server behind).
     wait:    False returns at once; call ``.wait()`` before using ``.url``.
-    Raises ``RuntimeError`` with the server's last lines if it does not come up in ``timeout``
-    (and stops it).
+    Raises ``ValueError`` for a name that is not an option (before starting anything), and
+    ``RuntimeError`` with the server's last lines if it does not come up in ``timeout`` (and
+    stops it).
+
+    The options:
     """
+    options = {"model": model, "adapters": adapters, **options}
+    options["port"] = options.get("port") or 0
+    host = options.get("host") or DEFAULTS["host"]
+    flags = command_line(options)           # checks every name and value first
     with _LOCK:
         previous = _RUNNING.pop(name, None)
     if previous is not None:
         previous.stop()
 
     workdir = Path(tempfile.mkdtemp(prefix="helpers-server-"))
-    port_file = workdir / "port"
-    command = [sys.executable, "-m", "helpers.server", "--host", host,
-               "--port", str(port or 0), "--port-file", str(port_file), "--watch-stdin",
-               "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue),
-               "--log-level", log_level]
-    options = {"--model": model, "--adapters": adapters, "--max-input-tokens": max_input_tokens,
-               "--max-total-tokens": max_total_tokens, "--threads": threads,
-               "--default-max-new-tokens": default_max_new_tokens, "--device": device,
-               "--dtype": dtype}
-    for flag, value in options.items():
-        if value is not None:
-            command += [flag, str(value)]
+    command = [sys.executable, "-m", "helpers.server", *flags,
+               "--port-file", str(workdir / "port"), "--watch-stdin"]
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [str(_PACKAGE_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
@@ -205,6 +199,10 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     if wait:
         server.wait(timeout)
     return server
+
+
+# The options, listed from the table in options.py (so that help() shows them all).
+serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + describe() + "\n"
 
 
 def stop_all() -> None:

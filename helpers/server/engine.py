@@ -1,48 +1,63 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-The HTTP side (``app.py``) never touches the model. It checks a request (``Engine.prepare``:
-tokens, limits, adapter, JSON schema), hands it over (``Engine.submit``) and reads the
-request's events from an ``asyncio.Queue``. The scheduler thread repeats ``Engine.step``:
+The HTTP side never touches the model. It checks a request (``Engine.prepare``: tokens,
+limits, adapter, grammar), hands it over (``Engine.submit``) and reads the request's events
+from an ``asyncio.Queue``. The scheduler thread repeats ``Engine.step``, which is lesson 03's
+continuous batching with the very functions of ``helpers.batching``:
 
-1. drop the rows whose client went away (``filter_batch``, lesson 03);
-2. admit waiting requests into the free slots: their prompts are padded into a new batch, read
-   in one forward pass (the prefill) and merged into the running batch (``merge_batches``);
-3. run one decode step for the whole batch;
-4. choose each row's next token with that row's own rules (greedy, or seeded sampling with
-   temperature / top-k / top-p; JSON mode masks the tokens its guide forbids), hand every
-   token to its request's queue (``loop.call_soon_threadsafe``: the queue belongs to the
-   event loop's thread), and drop the rows that finished (``filter_batch``).
+1. drop the rows whose client went away (``filter_batch``);
+2. admit waiting requests into the free slots: their prompts become a new batch
+   (``batch_from_token_ids``, the tokenized form of ``init_batch``), are read in one forward
+   pass (the prefill, ``generate_next_token``) and join the running batch (``merge_batches``);
+3. run one decode step for the whole batch (``generate_next_token``) and drop the rows that
+   finished (``filter_batch``).
 
-Each row's adapter is set with ``MultiLora.set_rows`` (lesson 06) before every forward pass, so
-the rows of one batch can use different adapters, or none.
+What the server adds is *how each row's token is chosen*: ``generate_next_token`` takes a
+chooser, and ours applies each row's own rules (greedy or seeded sampling, penalties, logit
+bias, a grammar's mask: ``helpers.server.sampling``), then hands every token to its request's
+queue (``loop.call_soon_threadsafe``: the queue belongs to the event loop's thread). Each
+row's adapter is set with ``MultiLora.set_rows`` (lesson 06) before every forward pass.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
 (and, with an adapter, what generating that row alone with the adapter gives): batching
-changes when answers come, not what they are.
+changes when answers come, not what they are. ``helpers.server.paged_engine`` runs the same
+engine on lesson 08's paged KV cache.
+
+Errors are the engine's own (``helpers.server.errors``); the HTTP side turns them into status
+codes. A row whose token cannot be chosen (NaN logits from extreme settings, a failing
+grammar) fails alone: the other rows of the batch carry on.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
 import traceback
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
 
-from ..batching import (Batch, filter_batch, left_pad, merge_batches, model_context,
-                        position_ids_from_mask)
+from ..batching import (Batch, batch_from_token_ids, filter_batch, generate_next_token,
+                        merge_batches, model_context)
 from ..lora import ADAPTERS_DIR
+from . import sampling
 from .adapters import AdapterStore
-from .json_mode import JsonMode
-from .protocol import ApiError, GenerationParams, invalid
+from .detok import IncrementalDecoder
+from .errors import EngineError, InvalidRequest, Overloaded, Unavailable
+from .grammar import Grammars
+from .metrics import Metrics
+from .options import DEFAULTS
+from .protocol import GenerationParams
 
 log = logging.getLogger("helpers.server")
+
+#: A prompt longer than this many characters per allowed token is refused before it is
+#: tokenized (see ``Engine.max_prompt_chars``).
+CHARS_PER_TOKEN_MARGIN = 2
 
 
 # --- what travels between the HTTP side and the scheduler --------------------------------
@@ -51,22 +66,30 @@ log = logging.getLogger("helpers.server")
 class Prepared:
     """A checked request, ready for the scheduler (made by ``Engine.prepare``)."""
 
-    prompt: str
+    prompt: str                  # the prompt as text (decoded, when given as token ids)
     input_ids: list[int]
     params: GenerationParams
     max_new_tokens: int
     adapter: str | None          # the name loaded in the engine's MultiLora, None for none
-    schema: object | None        # the compiled JSON schema (json_mode.CompiledSchema)
+    grammar: object | None       # the compiled grammar (grammar.Compiled), None for free text
     seed: int | None             # the sampling seed (drawn at random when not given)
+
+
+@dataclass
+class PromptEvent:
+    """The prompt's tokens with their log probabilities (first: None), before any token."""
+
+    tokens: list[dict]
 
 
 @dataclass
 class TokenEvent:
     """One generated token. ``finish`` is set on a request's last token: finish_reason,
-    generated_text, generated_tokens, prompt_tokens, seed, and stop_at (where a matched stop
-    sequence starts in the text, else None)."""
+    generated_text, generated_tokens, prompt_tokens, seed, stop_at (where a matched stop
+    sequence starts in the text, else None) and seconds. With ``max_new_tokens`` 0 the one
+    event has ``token`` None."""
 
-    token: dict
+    token: dict | None
     finish: dict | None = None
 
 
@@ -104,7 +127,7 @@ def _deliver(items) -> None:
 class _Row:
     """The per-request state the scheduler keeps while a request is in the batch."""
 
-    def __init__(self, handle: Handle, engine: "Engine"):
+    def __init__(self, handle: Handle):
         prepared = handle.prepared
         params = prepared.params
         self.handle = handle
@@ -117,34 +140,43 @@ class _Row:
         if self.sampling:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(prepared.seed)
-        self.schema = prepared.schema
-        self.guide = engine.json.guide(prepared.schema) if prepared.schema is not None else None
+        self.error: BaseException | None = None      # set if this row failed (alone)
+        self.matcher = None
+        if prepared.grammar is not None:
+            try:
+                self.matcher = prepared.grammar.matcher()
+            except Exception as err:
+                self.error = err
         self.penalty = (params.repetition_penalty
                         if params.repetition_penalty not in (None, 1.0) else None)
         # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
-        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not in JSON mode, where
-        # EOS is only allowed once the JSON is complete.
-        self.ignore_eos = params.ignore_eos_token and self.guide is None
+        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not with a grammar, where
+        # EOS is only allowed once the answer is complete.
+        self.ignore_eos = params.ignore_eos_token and self.matcher is None
         self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
+        self.counts: Counter = Counter()   # how often each of them was generated
         self.count = 0                 # generated tokens, EOS included
         self.text = ""                 # text handed out so far
-        self.full_len = 0              # length of the decoded text at the previous step
+        self.decoder = None            # its IncrementalDecoder (detok.py), from the first token
         self.longest_stop = max((len(s) for s in params.stop), default=0)
+        self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
 
     @property
-    def needs_processing(self) -> bool:
-        return self.penalty is not None or self.guide is not None
+    def adjusts_logits(self) -> bool:
+        params = self.params
+        return (self.penalty is not None or self.matcher is not None or bool(params.logit_bias)
+                or bool(params.frequency_penalty) or bool(params.presence_penalty))
 
 
 class Engine:
-    """Continuous batching with per-row adapters, sampling rules and JSON mode. (Lesson 07.)
+    """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
 
     model, tokenizer:  from ``helpers.load_model`` (any causal LM; the tokenizer pads with EOS)
     adapters_dir:      folder of local adapters, one sub-folder each (default: the course's)
     max_batch_size:    rows generated together (the slots of lesson 03)
     max_input_tokens:  longest prompt accepted, in tokens (default: half the context)
     max_total_tokens:  prompt + new tokens of one request (default: the model's context)
-    max_queue:         requests that may wait for a slot; one more gets 429 "overloaded"
+    max_queue:         requests that may wait for a slot; one more is refused (Overloaded)
     default_max_new_tokens: what a request that does not say gets (capped by the room left)
 
     ``start()`` starts the scheduler thread, ``stop()`` ends it (waiting and running requests
@@ -152,26 +184,18 @@ class Engine:
     request whose client went away.
     """
 
-    def __init__(self, model, tokenizer, *, adapters_dir=ADAPTERS_DIR, max_batch_size: int = 8,
-                 max_input_tokens: int | None = None, max_total_tokens: int | None = None,
-                 max_queue: int = 64, default_max_new_tokens: int = 64,
+    kv_cache = "contiguous"
+
+    def __init__(self, model, tokenizer, *, adapters_dir=ADAPTERS_DIR,
+                 max_batch_size: int = DEFAULTS["max_batch_size"],
+                 max_input_tokens: int | None = DEFAULTS["max_input_tokens"],
+                 max_total_tokens: int | None = DEFAULTS["max_total_tokens"],
+                 max_queue: int = DEFAULTS["max_queue"],
+                 default_max_new_tokens: int = DEFAULTS["default_max_new_tokens"],
                  model_id: str | None = None):
-        context = model_context(model)
-        if max_total_tokens is None:
-            max_total_tokens = context or 2048
-        if context is not None and max_total_tokens > context:
-            raise ValueError(f"max_total_tokens={max_total_tokens} is beyond the model's context "
-                             f"of {context} tokens")
-        if max_input_tokens is None:
-            max_input_tokens = max(1, max_total_tokens // 2)
-        for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
-                            ("max_input_tokens", max_input_tokens),
-                            ("default_max_new_tokens", default_max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not max_input_tokens < max_total_tokens:
-            raise ValueError(f"max_input_tokens ({max_input_tokens}) must be smaller than "
-                             f"max_total_tokens ({max_total_tokens})")
+        max_input_tokens, max_total_tokens = _check_limits(
+            model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
+            default_max_new_tokens)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or getattr(model.config, "_name_or_path", "") or "model"
@@ -186,10 +210,15 @@ class Engine:
         self.special_ids = set(tokenizer.all_special_ids)
         self.eos_text = (tokenizer.convert_ids_to_tokens(self.eos_id)
                          if self.eos_id is not None else "")
+        self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+        self._encoder = _own_encoder(tokenizer)
+        # A token never stands for more characters than the longest token of the vocabulary.
+        longest = max(len(token) for token in tokenizer.get_vocab())
+        self.max_prompt_chars = max_input_tokens * longest * CHARS_PER_TOKEN_MARGIN
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
         self._cond = threading.Condition()      # guards the waiting queue and the flags
-        self._encode_lock = threading.Lock()
+        self._encode_lock = threading.Lock()    # only for tokenizers without a Rust backend
         self._waiting: deque[Handle] = deque()
         self._rows: dict[int, _Row] = {}
         self._batch = Batch.empty()
@@ -198,8 +227,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
         self.adapters = AdapterStore(model, adapters_dir, self._model_lock)
-        self.json = JsonMode(tokenizer)
+        self.grammars = Grammars(tokenizer)
         self.stats = defaultdict(float)
+        self.metrics = Metrics()                # latency histograms for /metrics
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -226,60 +256,112 @@ class Engine:
 
     # --- the HTTP side ----------------------------------------------------------------------
 
-    def prepare(self, prompt: str, params: GenerationParams) -> Prepared:
-        """Check a request against the server's limits and make it ready. Tokenizes the
-        prompt, loads the adapter if needed, compiles the JSON schema. Raises ``ApiError``.
-        May block (loading an adapter): call it from a worker thread."""
-        if not isinstance(prompt, str) or prompt == "":
-            raise invalid("`inputs` must not be empty")
-        with self._encode_lock:
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if params.truncate is not None and len(ids) > params.truncate:
-            ids = ids[-params.truncate:]          # keep the end, nearest the answer
-        if not ids:
-            raise invalid("`inputs` has no tokens")
+    def prepare(self, prompt: str | list[int], params: GenerationParams) -> Prepared:
+        """Check a request against the server's limits and make it ready: tokenize the prompt
+        (or check its token ids), load the adapter if needed, compile the grammar. Raises
+        ``errors.EngineError``. May block (loading an adapter, compiling a grammar): call it
+        from a worker thread."""
+        ids = self._prompt_ids(prompt, params.truncate)
         if len(ids) > self.max_input_tokens:
-            raise invalid(f"`inputs` must have at most {self.max_input_tokens} tokens "
-                          f"(--max-input-tokens); given: {len(ids)} tokens")
-        room = self.max_total_tokens - len(ids)
-        max_new = params.max_new_tokens
-        if max_new is None:
-            max_new = min(self.default_max_new_tokens, room)
-        elif max_new > room:
-            raise invalid(f"`inputs` tokens + `max_new_tokens` must be <= "
-                          f"{self.max_total_tokens} (--max-total-tokens); given: {len(ids)} "
-                          f"`inputs` tokens and {max_new} `max_new_tokens`")
+            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(ids)} tokens")
+        max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
+        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise InvalidRequest(f"logit_bias names token id {bad_bias[0]}, outside the "
+                                 f"vocabulary (0 to {self.vocab_size - 1})")
         adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
                                         params.api_token)
-        schema = None
-        if params.grammar is not None:
-            kind, value = params.grammar
-            if kind != "json":
-                raise invalid(f"grammar type {kind!r} is not supported")
-            schema = self.json.compile(value)
-        if schema is not None:
-            shortest = schema.distance.get(schema.automaton.get_initial_state())
-            if shortest is not None and shortest + 1 > max_new:   # + 1: the EOS after it
-                raise invalid(f"JSON mode: the shortest answer this schema allows takes "
-                              f"{shortest} tokens of this model, plus the end token; "
-                              f"`max_new_tokens` is {max_new}")
+        grammar = self._compile_grammar(params.grammar, max_new)
         seed = None
         if params.sampling:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return Prepared(prompt, list(ids), params, max_new, adapter, schema, seed)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return Prepared(text, list(ids), params, max_new, adapter, grammar, seed)
+
+    def _prompt_ids(self, prompt, truncate: int | None) -> list[int]:
+        """The prompt's token ids (the last ``truncate`` of them, if given). A text prompt too
+        long to fit is refused by its length in characters, before any tokenizing."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequest("`inputs` must not be empty")
+            ids = self._tokenize(prompt, truncate)
+        elif isinstance(prompt, (list, tuple)):
+            ids = self._check_token_ids(prompt, truncate)
+        else:
+            raise InvalidRequest("the prompt must be a string or a list of token ids")
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]                 # keep the end, nearest the answer
+        if not ids:
+            raise InvalidRequest("`inputs` has no tokens")
+        return list(ids)
+
+    def _tokenize(self, text: str, truncate: int | None) -> list[int]:
+        """Tokenize a prompt, bounding the work by its length first.
+
+        Without ``truncate`` (or with one above --max-input-tokens) a prompt longer than
+        ``max_prompt_chars`` cannot fit: refused at once. With ``truncate`` only the end of
+        the text is tokenized, as many characters as ``truncate + 1`` tokens can stand for
+        (the tokens kept are the same, unless the cut falls inside one very long word)."""
+        keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
+        if keep is None and len(text) > self.max_prompt_chars:
+            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(text)} characters, more "
+                                 f"than that many tokens can hold")
+        if keep is not None:
+            chars_per_token = self.max_prompt_chars // self.max_input_tokens
+            text = text[-(keep + 1) * chars_per_token:]
+        if self._encoder is not None:     # our own copy: no lock, nothing shared to mutate
+            return self._encoder.encode(text, add_special_tokens=True).ids
+        with self._encode_lock:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
+        """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
+        if len(ids) > self.max_input_tokens and truncate is None:
+            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(ids)} tokens")
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) \
+                    or not 0 <= token < self.vocab_size:
+                raise InvalidRequest(f"prompt token {i} is {token!r}: token ids are integers "
+                                     f"from 0 to {self.vocab_size - 1}")
+        return list(ids)
+
+    def _max_new_tokens(self, n_prompt: int, asked: int | None) -> int:
+        room = self.max_total_tokens - n_prompt
+        if asked is None:
+            return min(self.default_max_new_tokens, room)
+        if asked > room:
+            raise InvalidRequest(f"`inputs` tokens + `max_new_tokens` must be <= "
+                                 f"{self.max_total_tokens} (--max-total-tokens); given: "
+                                 f"{n_prompt} `inputs` tokens and {asked} `max_new_tokens`")
+        return asked
+
+    def _compile_grammar(self, grammar, max_new: int):
+        """The compiled grammar (None for free text, or when nothing is generated)."""
+        if grammar is None or max_new == 0:
+            return None
+        kind, value = grammar
+        compiled = self.grammars.compile(kind, value)
+        shortest = compiled.min_tokens
+        if shortest is not None and shortest + 1 > max_new:       # + 1: the EOS after it
+            raise InvalidRequest(f"the shortest answer this {kind} grammar allows takes "
+                                 f"{shortest} tokens of this model, plus the end token; "
+                                 f"`max_new_tokens` is {max_new}")
+        return compiled
 
     def submit(self, prepared: Prepared, loop, queue, tag: int = 0) -> Handle:
         """Queue a prepared request; its events will go to ``queue`` (an asyncio.Queue of
-        ``loop``). Raises ``ApiError`` 429 when the queue is full, 503 when stopping."""
+        ``loop``). Raises ``Overloaded`` when the queue is full, ``Unavailable`` when the
+        engine is not running."""
         with self._cond:
             if not self.healthy:
-                raise ApiError(503, "the server is not running (its scheduler stopped"
-                               + (f": {self._failure})" if self._failure else ")"), "generation")
+                raise Unavailable("the server is not running (its scheduler stopped)")
             if len(self._waiting) >= self.max_queue:
                 self.stats["rejected_overloaded"] += 1
-                raise ApiError(429, f"Model is overloaded: {len(self._waiting)} requests are "
-                               f"already waiting (--max-queue {self.max_queue}); retry later",
-                               "overloaded")
+                raise Overloaded(f"Model is overloaded: {len(self._waiting)} requests are "
+                                 f"already waiting (--max-queue {self.max_queue}); retry later")
             handle = Handle(self._next_id, prepared, loop, queue, tag)
             self._next_id += 1
             self._waiting.append(handle)
@@ -325,31 +407,30 @@ class Engine:
             try:
                 with self._model_lock, torch.inference_mode():
                     self.step()
-            except Exception as err:   # the model failed: fail the rows, keep serving
+            except Exception:   # the model failed: fail the rows, keep serving
                 log.error("generation failed:\n%s", traceback.format_exc())
-                self._fail_rows(f"generation failed: {type(err).__name__}: {err}")
+                self._fail_rows("generation failed; the server's log has the details")
 
     def step(self) -> None:
-        """One turn of the scheduler loop: continuous batching (lesson 03) in which every row
-        may use its own adapter (lesson 06). Runs in the scheduler thread, which holds the
-        model lock. Lesson 07 shows this method."""
+        """One turn of the scheduler loop: lesson 03's continuous batching, in which every row
+        may use its own adapter (lesson 06) and its own way of choosing tokens. Runs in the
+        scheduler thread, which holds the model lock. Lesson 07 shows this method."""
         # 1. Rows whose client went away leave before any work is spent on them.
         self._drop_cancelled()
-        # 2. Free slots go to waiting requests. Their prompts are left-padded into a batch of
-        #    their own and read in one forward pass, the prefill, which gives each its first
-        #    token. Rows already finished (one token was all they needed) are filtered out,
-        #    the rest merge into the running batch.
+        # 2. Free slots go to waiting requests. Their prompts become a new batch (lesson 03's
+        #    init_batch), read in one forward pass, the prefill, which gives each its first
+        #    token (generate_next_token, called by _generate); the rows still running merge
+        #    into the running batch. (Requests that want their prompt scored get a batch of
+        #    their own, which keeps the logits of every position.)
         with self._cond:
             new = self._take_waiting()
-        if new:
-            prefill = self._new_batch(new)
-            self._forward(prefill, "prefill")
+        for prefill, keep in self._new_batches(new):
+            self._generate(prefill, "prefill", logits_to_keep=keep)
             self._batch = merge_batches(self._batch, filter_batch(prefill))
-            self.stats["rows_max"] = max(self.stats["rows_max"], len(self._batch))
         # 3. One decode step: every running row, new or old, gets its next token; the rows
         #    that finished leave the batch and free their slots for the next turn.
         if len(self._batch):
-            self._forward(self._batch, "decode")
+            self._generate(self._batch, "decode")
             self._batch = filter_batch(self._batch)
 
     def _take_waiting(self) -> list[Handle]:
@@ -374,43 +455,140 @@ class Engine:
                 self.stats["cancelled"] += 1
         self._batch = filter_batch(batch)
 
-    def _new_batch(self, handles: list[Handle]) -> Batch:
-        """The rows of newly admitted requests and their prompts, left-padded (as
-        ``helpers.init_batch`` of lesson 03 does before its forward pass)."""
+    def _new_batches(self, handles: list[Handle]) -> list[tuple[Batch, int]]:
+        """The new requests as batches (lesson 03's ``init_batch``, from token ids), each with
+        the logits its prefill keeps: the last position only, or every position (0) for the
+        requests that asked for their prompt's log probabilities, which get a batch of their
+        own so that nobody else's logits are kept."""
         for handle in handles:
-            self._rows[handle.id] = _Row(handle, self)
-        input_ids, attention_mask = left_pad([h.prepared.input_ids for h in handles], self.pad_id)
-        return Batch(request_ids=[h.id for h in handles],
-                     max_tokens=[h.prepared.max_new_tokens for h in handles],
-                     token_ids=[[] for _ in handles], done=[False] * len(handles),
-                     input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_mask(attention_mask))
+            self._rows[handle.id] = _Row(handle)
+        scoring = [h for h in handles if h.prepared.params.prompt_logprobs]
+        others = [h for h in handles if not h.prepared.params.prompt_logprobs]
+        batches = []
+        for group, keep in ((others, 1), (scoring, 0)):
+            if group:
+                batch = batch_from_token_ids(
+                    [h.prepared.input_ids for h in group],
+                    [max(1, h.prepared.max_new_tokens) for h in group],
+                    [h.id for h in group], self.pad_id)
+                batches.append((batch, keep))
+        return batches
 
-    def _forward(self, batch: Batch, kind: str) -> None:
-        """One forward pass for ``batch``, one token per row, events out, finished rows
-        marked done (the caller filters them out)."""
+    def _generate(self, batch: Batch, kind: str, logits_to_keep: int = 1) -> None:
+        """Lesson 03's ``generate_next_token`` on ``batch`` with each row's adapter and our
+        chooser; then every row's event goes out and finished rows are marked done."""
         start = time.perf_counter()
+        self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
         rows = [self._rows[rid] for rid in batch.request_ids]
         if self.adapters.lora.names:
             self.adapters.lora.set_rows([row.adapter for row in rows])
-        device = self.device
-        output = self.model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-            past_key_values=batch.past_key_values,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        tokens, logprobs, alternatives = self._choose(rows, output.logits[:, -1, :])
+        outgoing: list = []
 
-        outgoing = []
+        def choose(logits):
+            return self._choose(rows, logits, outgoing)
+
+        # EOS is handled by _accept (per row: ignore_eos, grammars), not by the helper.
+        generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
+                            choose=choose, logits_to_keep=logits_to_keep)
+        self._hand_out(batch, list(enumerate(rows)), outgoing)
+        self.stats[f"steps_{kind}"] += 1
+        self.stats["tokens"] += len(rows)
+        self.stats["busy_seconds"] += time.perf_counter() - start
+
+    # --- choosing tokens --------------------------------------------------------------------
+
+    def _choose(self, rows: list[_Row], logits: torch.Tensor, outgoing: list) -> list[int]:
+        """The chooser given to ``generate_next_token``: each row's next token, by its own
+        rules. ``logits`` is (rows, positions, vocab); more than one position means the
+        prefill kept every position to score the prompts. A row whose choice fails gets
+        ``error`` set (and padding as its token): it fails alone."""
+        if logits.shape[1] > 1:
+            for i, row in enumerate(rows):
+                # The prompt sits in the last columns (padding is on the left).
+                self._guarded(row, self._score_prompt, row, logits[i, -len(row.prompt_ids):],
+                              outgoing)
+        last = logits[:, -1, :].float()
+        if any(row.adjusts_logits for row in rows):
+            last = last.clone()
+            for i, row in enumerate(rows):
+                if row.adjusts_logits:
+                    self._guarded(row, self._adjust, row, last[i])
+        logprobs = torch.log_softmax(last, dim=-1)
+        tokens = sampling.greedy(last)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=last.device)[:, None])
+        chosen = chosen.squeeze(1).tolist()
+        broken = (torch.isnan(last).any(dim=-1) | torch.isposinf(last).any(dim=-1)).tolist()
+        for i, row in enumerate(rows):
+            if broken[i]:
+                self._guarded(row, sampling.check_finite, last[i])
+            if row.error is None:
+                self._guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
+        return [row.choice[0] if row.error is None and row.choice[0] is not None
+                else self.pad_id for row in rows]
+
+    @staticmethod
+    def _guarded(row: _Row, function, *args) -> None:
+        """Run one row's part of the choice; an exception fails that row, not the batch."""
+        if row.error is not None:
+            return
         try:
-            for i, (row, token) in enumerate(zip(rows, tokens)):
-                event, finished = self._accept(row, token, logprobs[i], alternatives[i])
+            function(*args)
+        except Exception as err:
+            row.error = err
+
+    def _score_prompt(self, row: _Row, logits: torch.Tensor, outgoing: list) -> None:
+        """The PromptEvent: every prompt token's logprob, from the logits at its positions."""
+        tokens = sampling.prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
+                                          row.params.alternatives)
+        outgoing.append((row.handle, PromptEvent(tokens)))
+
+    def _adjust(self, row: _Row, logits: torch.Tensor) -> None:
+        """A row's logits after its penalties, its logit bias and its grammar's mask."""
+        params = row.params
+        if row.penalty is not None:
+            sampling.repetition_penalty(logits, row.prompt_ids + row.ids, row.penalty)
+        if params.frequency_penalty or params.presence_penalty:
+            sampling.frequency_presence_penalty(logits, row.counts, params.frequency_penalty,
+                                                params.presence_penalty)
+        if params.logit_bias:
+            sampling.add_logit_bias(logits, params.logit_bias)
+        if row.matcher is not None:
+            budget = row.max_new_tokens - row.count - 1   # tokens left after this one
+            row.matcher.apply(logits, budget)
+
+    def _pick(self, row: _Row, token: int, logprob: float, logits: torch.Tensor,
+              logprobs: torch.Tensor) -> None:
+        """Set ``row.choice``: the greedy ``token`` unless the row samples, its logprob, and
+        the top alternatives if asked."""
+        if row.max_new_tokens == 0:                 # prefill only: nothing is chosen
+            row.choice = (None, None, None)
+            return
+        if row.matcher is not None and not torch.isfinite(logits).any():
+            row.choice = (self.eos_id, 0.0, None)   # the grammar allows nothing: stop
+            return
+        if row.sampling:
+            token, logprob = sampling.sample(logits, row.params, row.generator)
+        alternatives = None
+        if row.params.alternatives:
+            alternatives = sampling.top_alternatives(logprobs, row.params.alternatives,
+                                                     self.tokenizer)
+        row.choice = (token, logprob, alternatives)
+
+    # --- handing out tokens ---------------------------------------------------------------
+
+    def _hand_out(self, batch, rows: list[tuple[int, _Row]], outgoing: list) -> None:
+        """After a forward pass: each row's event (its token, or its failure) goes to its
+        client; finished and failed rows are marked done (the caller filters them out)."""
+        try:
+            for i, row in rows:
+                if row.error is None:
+                    try:
+                        event, finished = self._accept(row, *row.choice)
+                    except Exception as err:      # this row's text or grammar: it alone fails
+                        row.error = err
+                if row.error is not None:
+                    event, finished = self._row_failed(row), True
                 outgoing.append((row.handle, event))
-                if token != self.eos_id or row.ignore_eos:
-                    batch.token_ids[i].append(token)
                 if finished:
                     batch.done[i] = True
                     row.handle.finished = True
@@ -419,126 +597,70 @@ class Engine:
         finally:   # even if a row failed: the rows that finished must hear so
             self._send(outgoing)
 
-        # What the next step feeds: as in helpers.generate_next_token (lesson 03).
-        running = torch.tensor([not done for done in batch.done], dtype=torch.long, device=device)
-        new_tokens = torch.tensor(tokens, dtype=torch.long, device=device)
-        batch.input_ids = torch.where(running == 1, new_tokens, self.pad_id).unsqueeze(1)
-        batch.attention_mask = torch.cat([batch.attention_mask.to(device), running.unsqueeze(1)],
-                                         dim=1)
-        batch.position_ids = batch.attention_mask.sum(dim=1, keepdim=True) - 1
-        batch.past_key_values = output.past_key_values
+    def _row_failed(self, row: _Row) -> ErrorEvent:
+        err = row.error
+        log.warning("request %s failed alone: %s", row.handle.id,
+                    "".join(traceback.format_exception(err)).strip())
+        self.stats["failed"] += 1
+        if isinstance(err, EngineError):
+            return ErrorEvent(f"generation failed: {err.message}")
+        return ErrorEvent("generation failed while choosing the next token; the server's log "
+                          "has the details")
 
-        self.stats[f"steps_{kind}"] += 1
-        self.stats["tokens"] += len(rows)
-        self.stats["busy_seconds"] += time.perf_counter() - start
-
-    # --- choosing tokens --------------------------------------------------------------------
-
-    def _choose(self, rows: list[_Row], logits: torch.Tensor):
-        """Each row's next token, its log probability and (if asked) the top alternatives."""
-        logits = logits.float()
-        vocab = logits.shape[-1]
-        if any(row.needs_processing for row in rows):
-            logits = logits.clone()
-            for i, row in enumerate(rows):
-                if row.penalty is not None:
-                    seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.ids)),
-                                        device=logits.device)
-                    values = logits[i, seen]
-                    logits[i, seen] = torch.where(values > 0, values / row.penalty,
-                                                  values * row.penalty)
-                if row.guide is not None:
-                    budget = row.max_new_tokens - row.count - 1   # tokens left after this one
-                    logits[i] += self.json.mask(row.schema, row.guide, vocab, budget,
-                                                logits.device)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        choice = logits.argmax(dim=-1)
-        tokens = choice.tolist()
-        chosen_logprobs = logprobs.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
-        alternatives: list[list | None] = [None] * len(rows)
-        for i, row in enumerate(rows):
-            if row.guide is not None and not torch.isfinite(logits[i]).any():
-                tokens[i], chosen_logprobs[i] = self.eos_id, 0.0   # nothing allowed: stop
-                continue
-            if row.sampling:
-                tokens[i], chosen_logprobs[i] = self._sample(row, logits[i])
-            k = row.params.alternatives
-            if k:
-                top = logprobs[i].topk(min(k, vocab))
-                alternatives[i] = [{"id": int(t), "text": self.tokenizer.decode([int(t)]),
-                                    "logprob": _finite(float(lp))}
-                                   for lp, t in zip(top.values.tolist(), top.indices.tolist())]
-        return tokens, chosen_logprobs, alternatives
-
-    @staticmethod
-    def _sample(row: _Row, logits: torch.Tensor) -> tuple[int, float]:
-        """Draw a token from one row's logits: temperature, then top-k, then top-p, with the
-        request's own seeded generator (so the same seed gives the same answer)."""
-        params = row.params
-        x = logits.detach().to("cpu", torch.float32)
-        if params.temperature is not None:
-            x = x / params.temperature
-        if params.top_k is not None and params.top_k < x.numel():
-            kth = torch.topk(x, params.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if params.top_p is not None and params.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            before = probs.cumsum(dim=-1) - probs      # mass of the tokens ranked above
-            drop = before >= params.top_p
-            drop[0] = False                            # the most likely token always stays
-            x = x.clone()
-            x[order[drop]] = float("-inf")
-        probs = torch.softmax(x, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=row.generator))
-        return token, float(torch.log_softmax(x, dim=-1)[token])
-
-    def _accept(self, row: _Row, token: int, logprob: float,
+    def _accept(self, row: _Row, token: int | None, logprob: float | None,
                 alternatives) -> tuple[TokenEvent, bool]:
         """Add a token to a row: its text, its event, and whether the row is finished."""
+        if row.max_new_tokens == 0:
+            return TokenEvent(None, self._finish(row, "length", None)), True
         row.count += 1
-        reason = None
-        stop_at = None
+        self.metrics.observe_token(row.handle, first=row.count == 1)
+        reason, stop_at = None, None
         is_eos = token == self.eos_id and not row.ignore_eos
         if is_eos:
-            piece, special = self.eos_text, True
-            reason = "eos_token"
+            piece, special, reason = self.eos_text, True, "eos_token"
         else:
             row.ids.append(token)
-            if row.guide is not None:
-                row.guide.advance(token, return_tokens=False)
-            full = self.tokenizer.decode(row.ids)
+            row.counts[token] += 1
+            if row.matcher is not None:
+                row.matcher.advance(token)
             special = token in self.special_ids
-            if row.params.stop:
-                start = max(0, row.full_len - row.longest_stop + 1)
-                found = [(full.find(s, start), s) for s in row.params.stop]
-                found = [(pos, s) for pos, s in found if pos >= 0]
-                if found:
-                    stop_at = min(found)[0]
-                    reason = "stop_sequence"
-            row.full_len = len(full)
-            if reason is None and row.count >= row.max_new_tokens:
-                reason = "length"
-            # A token may end inside a multi-byte character: hold its text back until the
-            # character is complete (or the request ends).
-            if full.endswith("\ufffd") and reason is None:
-                piece = ""
-            else:
-                piece = full[len(os.path.commonprefix([full, row.text])):]
-                row.text = full
+            piece, stop_at = self._add_text(row)
+            if stop_at is not None:
+                reason = "stop_sequence"
         if reason is None and row.count >= row.max_new_tokens:
             reason = "length"
-        out = {"id": int(token), "text": piece, "logprob": _finite(logprob), "special": special}
+        out = {"id": int(token), "text": piece, "logprob": sampling.finite(logprob),
+               "special": special}
         if alternatives is not None:
             out["alternative_tokens"] = alternatives
-        finish = None
-        if reason is not None:
-            final_text = row.text if not is_eos and row.text else self.tokenizer.decode(row.ids)
-            finish = {"finish_reason": reason, "generated_text": final_text,
-                      "generated_tokens": row.count, "prompt_tokens": len(row.prompt_ids),
-                      "seed": row.handle.prepared.seed, "stop_at": stop_at,
-                      "seconds": time.perf_counter() - row.handle.submitted}
+        finish = self._finish(row, reason, stop_at) if reason is not None else None
         return TokenEvent(out, finish), reason is not None
+
+    def _add_text(self, row: _Row) -> tuple[str, int | None]:
+        """The row's new piece of text, and where a stop sequence starts in the row's text
+        (None if none matched). Only the last few tokens are decoded (``detok.py``): decoding
+        the whole answer at every token would cost more the longer it gets."""
+        if row.decoder is None:
+            row.decoder = IncrementalDecoder(self.tokenizer)
+        # A token may end inside a multi-byte character: the decoder holds its text back until
+        # the character is complete, or until the request ends.
+        piece = row.decoder.add(row.ids[-1])
+        if row.count >= row.max_new_tokens:
+            piece += row.decoder.flush()
+        stop_at = None
+        if row.params.stop and piece:
+            start = max(0, len(row.text) - row.longest_stop + 1)
+            text = row.text + piece
+            found = [pos for pos in (text.find(s, start) for s in row.params.stop) if pos >= 0]
+            stop_at = min(found) if found else None
+        row.text += piece
+        return piece, stop_at
+
+    def _finish(self, row: _Row, reason: str, stop_at: int | None) -> dict:
+        return {"finish_reason": reason, "generated_text": self.tokenizer.decode(row.ids),
+                "generated_tokens": row.count, "prompt_tokens": len(row.prompt_ids),
+                "seed": row.handle.prepared.seed, "stop_at": stop_at,
+                "seconds": time.perf_counter() - row.handle.submitted}
 
     # --- delivery and failures ----------------------------------------------------------------
 
@@ -587,13 +709,54 @@ class Engine:
             "default_max_new_tokens": self.default_max_new_tokens,
             "max_best_of": 1,
             "max_stop_sequences": 4,
-            "adapters_folder": str(self.adapters.folder) if self.adapters.folder else None,
+            "adapters_folder": self.adapters.folder_name,   # its name only, never the path
             "adapters_available": self.adapters.available(),
             "adapters_loaded": self.adapters.loaded,
-            "json_mode": JsonMode.available(),
+            "json_mode": Grammars.available(),
+            "kv_cache": self.kv_cache,
         }
 
 
-def _finite(value: float) -> float:
-    """JSON has no -inf: a log probability of an impossible token is reported as -1e9."""
-    return value if value > -1e9 else -1e9
+def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
+                  default_max_new_tokens) -> tuple[int, int]:
+    """ValueError for limits that make no sense; returns (max_input_tokens, max_total_tokens)
+    with their defaults filled in."""
+    context = model_context(model)
+    if max_total_tokens is None:
+        max_total_tokens = context or 2048
+    if context is not None and max_total_tokens > context:
+        raise ValueError(f"max_total_tokens={max_total_tokens} is beyond the model's context "
+                         f"of {context} tokens")
+    if max_input_tokens is None:
+        max_input_tokens = max(1, max_total_tokens // 2)
+    for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
+                        ("max_input_tokens", max_input_tokens),
+                        ("default_max_new_tokens", default_max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not max_input_tokens < max_total_tokens:
+        raise ValueError(f"max_input_tokens ({max_input_tokens}) must be smaller than "
+                         f"max_total_tokens ({max_total_tokens})")
+    return max_input_tokens, max_total_tokens
+
+
+def _own_encoder(tokenizer):
+    """A private copy of a fast tokenizer's Rust tokenizer, for prompts. Its ``encode`` holds
+    Python's lock while it runs, and nobody else changes this copy's settings (transformers
+    sets truncation and padding on the shared one at each call), so threads can use it
+    without a lock of ours. None for a tokenizer without one (then a lock is used)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_str(backend.to_str())
+    own.no_truncation()
+    own.no_padding()
+    # transformers may add special tokens itself for some models: use the copy only if it
+    # tokenizes like the tokenizer does.
+    sample = "Jack and Jill went up the hill, 1 2 3 :) \n\u00e9"
+    if own.encode(sample, add_special_tokens=True).ids != \
+            tokenizer(sample, add_special_tokens=True)["input_ids"]:
+        return None
+    return own

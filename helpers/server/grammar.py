@@ -1,0 +1,472 @@
+"""Constrained decoding: a JSON schema or a regular expression becomes a mask on the logits.
+(Lesson 07.)
+
+``Grammars(tokenizer)`` compiles grammars for one tokenizer. ``compile(kind, value)`` (kind
+"json" with a schema, or "regex" with a pattern) returns a ``Compiled`` grammar, shared by all
+the requests that ask for the same one; ``Compiled.matcher()`` starts a ``Matcher`` for one
+request. At every step the engine calls ``Matcher.apply(logits_row, budget)``, which sets the
+logits of the tokens the grammar forbids to -inf, then ``Matcher.advance(token)`` with the
+token it chose. EOS is allowed only where the text is complete (``Matcher.accepting``).
+
+The grammar engine is llguidance (the structured-output backend of vLLM and SGLang). It does
+not turn the schema into one automaton up front, as outlines-core does (there a string of at
+most 20 characters took ~90 s and ~4 GB to compile on the course's tokenizer, and every extra
+character doubled it): it parses the text as it is written (an Earley parser over a lexer
+whose states are built when first reached), so compiling costs about as much as reading the
+schema, and each token costs one bounded mask computation
+(benchmarks/results/bench_grammar.md has the figures).
+
+No request can make a grammar cost more than the server allows:
+
+* size: the schema (its canonical JSON) or the pattern is at most ``max_grammar_bytes``
+  bytes, the schema nested at most ``max_depth`` levels (``errors.TooLarge`` names the limit);
+* complexity: llguidance's own limits (``_limits()``: symbols in the grammar, "fuel" for
+  building the lexer and for each token's mask, lexer states) stop the work wherever it is;
+  a grammar past them at compile time is refused with ``errors.TooLarge``. A matcher that
+  hits a per-token limit later fails: it then allows only EOS, and the answer ends there;
+* wall time: compilation runs in its own thread and the request waits at most
+  ``compile_timeout`` seconds (``errors.TooLarge`` after that). llguidance cannot be
+  interrupted, so a compilation that runs late goes on to its end in the background, which
+  the limits above keep short, and its result is cached for the next request;
+* concurrency: one compilation per distinct grammar at a time (identical requests wait for
+  the same result; the key is the schema's canonical JSON), and at most ``max_compiling``
+  distinct ones at once (``errors.Overloaded`` beyond);
+* memory: compiled grammars are kept in a cache bounded in bytes (``cache_bytes``; each
+  grammar's size is estimated from its text, see ``Compiled``), least recently used first
+  out. The lexer states a grammar builds while requests use it are bounded by the limits
+  (at most 20 000 states, ~40 MB, per grammar).
+
+Schemas that no text satisfies (``{"enum": []}``, minLength above maxLength, ``allOf`` of a
+string and an integer...) are refused with ``errors.InvalidRequest``: llguidance tells most
+of them at compile time, and a grammar whose first step allows no token is refused too.
+Keywords llguidance does not implement (``not``, ``uniqueItems``) are refused the same way.
+
+Two choices of ours for JSON:
+
+* objects are closed: an object that lists its ``properties`` and does not mention
+  ``additionalProperties`` gets ``additionalProperties: false``. JSON Schema would allow any
+  extra key, and pydantic's schemas do not close their objects; a small model then writes
+  extra keys until its budget ends (measured). Closing them is what outlines does, and what
+  vLLM offers with llguidance. ``{"type": "object"}`` (any object) stays open.
+* the layout is ``json.dumps``'s: ", " between items and ": " after keys, no other
+  whitespace (what the course's ``entities`` adapter was trained to write).
+
+The budget. llguidance cannot tell how many tokens the shortest completion takes, so a
+``Matcher`` finds a short completion itself when it needs one. This *closer* starts from the
+current state and writes the closing quote, bracket or brace whenever the grammar allows
+one, otherwise the least used single character the grammar allows (or the token the grammar
+forces, e.g. inside a key), until the text is complete. When the budget comes within
+``MARGIN`` tokens of the closer's count, only tokens that still finish in time are allowed:
+the closer's next token, and those of the few most likely tokens from which the closer
+finishes within the budget. So an answer in JSON mode closes within ``max_new_tokens``
+whenever the closer finds an ending in time, which it does for JSON schemas without
+patterns. Where it does not (a regular expression it cannot finish, or a single token that
+lengthens the ending by more than ``MARGIN``), generation stops at ``max_new_tokens`` with
+finish_reason "length" and incomplete text, as in vLLM.
+
+``Compiled.min_tokens`` is the length of the closer's answer from the start (an upper bound
+of the shortest answer; the engine refuses a smaller ``max_new_tokens``), None when the
+closer finds none within ``CLOSER_STEPS`` tokens or ``CLOSER_COMPILE_SECONDS``: that grammar
+is then budget-free. At a step the closer stops after ``CLOSER_SECONDS``; a matcher whose
+closer fails stops looking (budget-free from there), so the closer's cost stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from .errors import EngineError, InvalidRequest, Overloaded, TooLarge
+
+KINDS = ("json", "regex")
+#: json.dumps's layout, and nothing else: a small model must not fill its budget with spaces.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: The budget rule starts this many tokens before the closer's ending would no longer fit.
+MARGIN = 4
+#: The most likely tokens checked one by one near the end of the budget.
+CANDIDATES = 3
+#: The closer gives up after this many tokens (then ``min_tokens`` is None): each one costs a
+#: mask computation, and the closer runs at every step near the end of the budget.
+CLOSER_STEPS = 256
+#: ... or after this much CPU time, per token (a grammar whose masks are slow must not make
+#: the closer slow) and at compile time (the closer's answer from the start, ``min_tokens``).
+CLOSER_SECONDS = 0.01
+CLOSER_COMPILE_SECONDS = 0.25
+#: The closer's first choices: what ends a string, an array, an object.
+_CLOSING = b'"]}'
+# then, least used first (ties in this order): what continues JSON most briefly.
+_OTHERS = b',: 0123456789' + bytes(b for b in range(33, 127) if b not in b'"]},:0123456789')
+
+# Words in llguidance's messages that say a limit was hit (not that the grammar is wrong).
+_LIMIT_WORDS = ("limit", "fuel", "too large", "too many", "too complex", "too big")
+
+
+def _limits():
+    """llguidance's resource limits for one grammar (its defaults, tightened where a request
+    could use them to take memory: the lexer's states take 1-2 kB each)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(
+        max_grammar_size=100_000,         # symbols in the grammar (default 500 000)
+        initial_lexer_fuel=1_000_000,     # building the lexer: ~20 ms of work (default)
+        step_lexer_fuel=200_000,          # one token's mask: ~15 ms of lexer work (default)
+        step_max_items=50_000,            # one token's mask: parser items (default)
+        max_lexer_states=20_000,          # at most ~40 MB of lexer per grammar (default 250 000)
+        verbose_errors=False,             # messages go to clients: no grammar internals
+    )
+
+
+def _depth(value) -> int:
+    """How deeply lists and dicts are nested in ``value`` (iteratively: no recursion limit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in item)
+    return deepest
+
+
+# The keys under which a JSON schema holds other schemas: {key: "one" schema, "list" of
+# schemas, or "map" of name -> schema}.
+_SUBSCHEMAS = {"items": "one", "additionalProperties": "one", "not": "one", "if": "one",
+               "then": "one", "else": "one", "contains": "one", "propertyNames": "one",
+               "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
+               "properties": "map", "patternProperties": "map", "$defs": "map",
+               "definitions": "map"}
+
+
+def closed_objects(schema):
+    """A copy of ``schema`` where every object schema that lists its ``properties`` and says
+    nothing about others has ``additionalProperties: false`` (see the module's notes). An
+    object without ``properties`` (``{"type": "object"}``: any object) stays open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, shape in _SUBSCHEMAS.items():
+        if key not in out:
+            continue
+        if shape == "one":
+            out[key] = closed_objects(out[key])
+        elif shape == "list" and isinstance(out[key], list):
+            out[key] = [closed_objects(item) for item in out[key]]
+        elif shape == "map" and isinstance(out[key], dict):
+            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
+    if isinstance(out.get("items"), list):            # the old tuple form of items
+        out["items"] = [closed_objects(item) for item in out["items"]]
+    if ("properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
+class Matcher:
+    """One request's place in a grammar: masks the next token's logits, follows the tokens
+    chosen. Made by ``Compiled.matcher()``; used by one thread at a time."""
+
+    def __init__(self, compiled: "Compiled", state):
+        self.compiled = compiled
+        self._state = state                 # an llguidance LLMatcher
+        self._closing = compiled.min_tokens is not None   # False: budget-free (see notes)
+        self._look_at: int | None = None    # the budget at which the closer looks again
+
+    def allowed(self) -> torch.Tensor:
+        """A bool tensor over the tokenizer's vocabulary: the tokens the grammar allows next
+        (only EOS once the matcher has failed: the answer then ends)."""
+        bias = self._state.compute_logit_bias()        # one byte a token: 0 = forbidden
+        return torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
+
+    def apply(self, logits_row: torch.Tensor, budget: int | None = None) -> None:
+        """Set the logits of the forbidden tokens to -inf, in place. ``budget``: the tokens
+        left after this one (None: no limit); see the module's notes on the budget."""
+        allowed = self.allowed()
+        if budget is not None and self._closing and (self._look_at is None
+                                                     or budget <= self._look_at):
+            allowed = self._in_time(allowed, logits_row, budget)
+        size = logits_row.shape[-1]
+        keep = torch.zeros(size, dtype=torch.bool)
+        n = min(size, allowed.numel())
+        keep[:n] = allowed[:n]
+        logits_row.masked_fill_(~keep.to(logits_row.device), float("-inf"))
+
+    def _in_time(self, allowed: torch.Tensor, logits_row: torch.Tensor,
+                 budget: int) -> torch.Tensor:
+        deadline = time.thread_time() + CLOSER_SECONDS
+        ending = self.compiled.closer(self._state, deadline)
+        if ending is None:
+            self._closing = False           # no ending found from here: budget-free from now
+            return allowed
+        slack = budget - len(ending) - MARGIN
+        if slack >= 0:                      # time enough: no restriction. A token lengthens
+            # the ending by MARGIN + 1 tokens at most (the rule's assumption): look again
+            # before the ending could catch up with the budget.
+            self._look_at = budget - max(1, slack // (MARGIN + 2))
+            return allowed
+        self._look_at = budget - 1          # from here on, at every token
+        eos = self.compiled.eos_id
+        keep = torch.zeros_like(allowed)
+        if not ending:                                      # complete now: end it here
+            keep[eos] = True
+            return keep
+        keep[ending[0]] = True
+        scores = logits_row.detach().float().cpu()[: allowed.numel()]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores[eos] = float("-inf")
+        for token in scores.topk(min(CANDIDATES, scores.numel())).indices.tolist():
+            if not torch.isfinite(scores[token]) or keep[token]:
+                continue
+            after = self._state.deep_copy()
+            if after.consume_token(token):
+                rest = self.compiled.closer(after, deadline)
+                keep[token] = rest is not None and len(rest) <= budget
+        return keep
+
+    def advance(self, token_id: int) -> None:
+        """Follow the token the engine chose (one ``apply`` allowed)."""
+        self._state.consume_token(int(token_id))
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is complete (EOS allowed now)."""
+        return self._state.is_accepting()
+
+    @property
+    def failed(self) -> bool:
+        """Whether the matcher has failed (a token it forbade, or a per-token limit hit)."""
+        return self._state.is_error()
+
+
+class Compiled:
+    """A compiled grammar: ``kind``, ``key`` (the canonical text it was compiled from),
+    ``min_tokens`` (see the module's notes), ``nbytes`` (the cache's estimate of its memory:
+    a fixed part plus a multiple of its text; measured on the bundled tokenizer, llguidance's
+    grammars took 6-470 kB for schemas of 0.1-9 kB), and ``matcher()`` for each request."""
+
+    BASE_BYTES = 64 << 10
+    BYTES_PER_CHARACTER = 40
+
+    def __init__(self, grammars: "Grammars", kind: str, key: str, state):
+        self.kind = kind
+        self.key = key
+        self.eos_id = grammars.eos_id
+        self._grammars = grammars
+        self._start = state                 # never advanced: each matcher is a copy
+        self._lock = threading.Lock()
+        self.nbytes = self.BASE_BYTES + self.BYTES_PER_CHARACTER * len(key)
+        ending = self.closer(state, time.thread_time() + CLOSER_COMPILE_SECONDS)
+        self.min_tokens = None if ending is None else len(ending)
+
+    def matcher(self) -> Matcher:
+        with self._lock:
+            return Matcher(self, self._start.deep_copy())
+
+    def closer(self, state, deadline: float) -> list[int] | None:
+        """Tokens that complete the text from ``state`` (an LLMatcher, left as it is), found
+        as the module's notes say; [] if it is complete, None if none within CLOSER_STEPS
+        tokens or before ``deadline`` (a ``time.thread_time()`` reading: the CPU time this thread
+        spends, which a busy machine does not stretch)."""
+        state = state.deep_copy()
+        closing, others = self._grammars.closer_tokens
+        used: dict[int, int] = {}
+        taken: list[int] = []
+        for _ in range(CLOSER_STEPS):
+            if state.is_accepting() or state.is_error() or time.thread_time() > deadline:
+                break
+            allowed = state.compute_logit_bias()          # bytes: one a token, 0 = forbidden
+            token = next((t for t in closing if allowed[t]), None)
+            if token is None:
+                # a single character, least used first; else (where the grammar forces its
+                # own tokens, e.g. inside a key) any allowed token, least used first
+                options = [t for t in others if allowed[t]] or [
+                    t for t in torch.frombuffer(bytearray(allowed), dtype=torch.uint8)
+                    .nonzero().flatten().tolist() if t != self.eos_id]
+                token = min(options, key=lambda t: used.get(t, 0), default=None)
+            if token is None:
+                return None
+            used[token] = used.get(token, 0) + 1
+            taken.append(token)
+            state.consume_token(token)
+        if state.is_error() or not state.is_accepting():
+            return None
+        return taken
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer, within the limits the module's notes list, and
+    keeps the compiled ones. ``compilations`` counts the compilations started."""
+
+    def __init__(self, tokenizer, *, max_grammar_bytes: int = 32 << 10, max_depth: int = 64,
+                 compile_timeout: float = 5.0, cache_bytes: int = 64 << 20,
+                 max_compiling: int = 4):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.max_grammar_bytes = max_grammar_bytes
+        self.max_depth = max_depth
+        self.compile_timeout = compile_timeout
+        self.cache_bytes = cache_bytes
+        self.max_compiling = max_compiling
+        self.compilations = 0
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Compiled] = OrderedDict()
+        self._compiling: dict[str, Future] = {}
+        self._llg_tokenizer = None
+        # the closer's single-character tokens, in its order: (closing ones, the others)
+        self.closer_tokens: tuple[list[int], list[int]] = ([], [])
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the grammar engine (llguidance) is installed."""
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated memory of the compiled grammars kept (at most ``cache_bytes``)."""
+        with self._lock:
+            return sum(c.nbytes for c in self._cache.values())
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    # --- checks before any work -------------------------------------------------------------
+
+    def key(self, kind: str, value) -> str:
+        """The canonical text of a grammar (the cache's key), after the size checks."""
+        if kind not in KINDS:
+            raise InvalidRequest(f"grammar type {kind!r} is not supported: use one of {KINDS}")
+        if kind == "json":
+            if not isinstance(value, dict):
+                raise InvalidRequest("a JSON schema must be a JSON object")
+            if _depth(value) > self.max_depth:
+                raise TooLarge(f"the JSON schema is nested more than {self.max_depth} levels "
+                               f"deep (the server's max_depth for grammars)")
+            try:
+                text = json.dumps(value, sort_keys=True, separators=(",", ":"),
+                                  ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as err:
+                raise InvalidRequest(f"the JSON schema is not plain JSON: {err}") from None
+        else:
+            if not isinstance(value, str):
+                raise InvalidRequest("a regex grammar must be a string")
+            text = value
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_grammar_bytes:
+            what = "JSON schema" if kind == "json" else "regular expression"
+            raise TooLarge(f"the {what} takes {size} bytes; the server accepts at most "
+                           f"{self.max_grammar_bytes} (max_grammar_bytes)")
+        return f"{kind}:{text}"
+
+    # --- compiling, once per distinct grammar -----------------------------------------------
+
+    def compile(self, kind: str, value) -> Compiled:
+        """The compiled grammar, from the cache or compiled now (waiting at most
+        ``compile_timeout`` seconds). Blocks: call it from a worker thread. Raises
+        errors.InvalidRequest, TooLarge or Overloaded."""
+        if not self.available():
+            raise InvalidRequest("constrained decoding needs the llguidance package, which is "
+                                 "not installed on this server")
+        key = self.key(kind, value)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            future = self._compiling.get(key)
+            if future is None:
+                if len(self._compiling) >= self.max_compiling:
+                    raise Overloaded(f"{self.max_compiling} grammars are being compiled already "
+                                     f"(the server's max_compiling); retry shortly")
+                future = self._compiling[key] = Future()
+                self.compilations += 1
+                threading.Thread(target=self._build, args=(key, kind, value, future),
+                                 daemon=True, name="grammar-compile").start()
+        try:
+            return future.result(timeout=self.compile_timeout)
+        except FutureTimeout:
+            raise TooLarge(f"the grammar took longer than {self.compile_timeout:g} s to compile "
+                           f"(the server's compile_timeout)") from None
+
+    def _build(self, key: str, kind: str, value, future: Future) -> None:
+        """The compilation thread: compile, cache, hand the result to every waiting request."""
+        try:
+            compiled = self._compile_now(kind, value, key)
+        except EngineError as err:
+            outcome = err
+        except Exception as err:       # anything else llguidance raises: the grammar's fault
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            outcome = InvalidRequest(f"this grammar cannot be used: {first[:200]}")
+        else:
+            outcome = compiled
+        with self._lock:
+            self._compiling.pop(key, None)
+            if isinstance(outcome, Compiled) and outcome.nbytes <= self.cache_bytes:
+                self._cache[key] = outcome
+                total = sum(c.nbytes for c in self._cache.values())
+                while total > self.cache_bytes:
+                    _, evicted = self._cache.popitem(last=False)
+                    total -= evicted.nbytes
+        if isinstance(outcome, Compiled):
+            future.set_result(outcome)
+        else:
+            future.set_exception(outcome)
+
+    def _engine_tokenizer(self):
+        """llguidance's view of the tokenizer, built once; with the token of each byte."""
+        if self._llg_tokenizer is not None:
+            return self._llg_tokenizer
+        with self._lock:
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    llg = llguidance.hf.from_tokenizer(self.tokenizer)
+                except ValueError as err:         # a slow (Python) tokenizer
+                    raise InvalidRequest(f"constrained decoding is not available with this "
+                                         f"tokenizer: {err}") from None
+                single = {}
+                for byte in _CLOSING + _OTHERS:
+                    tokens = llg.tokenize_bytes(bytes([byte]))
+                    if len(tokens) == 1:
+                        single[byte] = tokens[0]
+                self.closer_tokens = ([single[b] for b in _CLOSING if b in single],
+                                      [single[b] for b in _OTHERS if b in single])
+                self._llg_tokenizer = llg
+            return self._llg_tokenizer
+
+    def _compile_now(self, kind: str, value, key: str) -> Compiled:
+        from llguidance import LLMatcher
+
+        tokenizer = self._engine_tokenizer()
+        if kind == "json":
+            try:
+                grammar = LLMatcher.grammar_from_json_schema(closed_objects(value),
+                                                             defaults=JSON_OPTIONS)
+            except ValueError as err:
+                raise InvalidRequest(f"invalid JSON schema: {err}") from None
+        else:
+            grammar = LLMatcher.grammar_from_regex(value)
+        state = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+        what = "JSON schema" if kind == "json" else "regular expression"
+        if state.is_error():
+            message = state.get_error().strip().splitlines()[0][:200]
+            if any(word in message.lower() for word in _LIMIT_WORDS):
+                raise TooLarge(f"the {what} is more complex than the server's limits allow: "
+                               f"{message}")
+            if message.startswith("Unsatisfiable"):
+                raise InvalidRequest(f"no text satisfies this {what}: {message}")
+            raise InvalidRequest(f"this {what} cannot be used: {message}")
+        allowed = torch.frombuffer(bytearray(state.compute_logit_bias()), dtype=torch.uint8) != 0
+        allowed[self.eos_id] = False
+        if state.is_error() or (not allowed.any() and not state.is_accepting()):
+            raise InvalidRequest(f"no text satisfies this {what}")
+        return Compiled(self, kind, key, state)

@@ -1,0 +1,167 @@
+"""``/metrics``: the server's counters, gauges and latency histograms in Prometheus' text
+format. (Lesson 07.)
+
+Prometheus (or anything that reads its format) scrapes ``GET /metrics``: one sample per line,
+each metric announced by a ``# HELP`` line (what it means) and a ``# TYPE`` line (counter:
+only goes up; gauge: goes up and down; histogram: how many observations fell at or below each
+bucket edge ``le``, plus their sum and count). From two scrapes a dashboard gets rates (tokens
+per second) and latency percentiles (time to first token, time per output token).
+
+The engine feeds the histograms (``Engine.metrics.observe_token`` for every token it
+generates); the counters and gauges come from ``Engine.snapshot()`` when the page is asked
+for, and the HTTP answers are counted by status code by ``CountResponses``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+import weakref
+
+PREFIX = "helpers_server_"
+
+#: Bucket edges in seconds. Time to first token: a few ms on a GPU with an empty queue, up to
+#: seconds on a CPU behind a full batch. Time per output token: about a millisecond (GPU, small
+#: batch) to a few hundred (CPU, full batch, long prompts being read in between).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+#: What each key of ``Engine.snapshot()`` is: (type, help). Keys not listed are shown as
+#: "untyped" (a counter the engine gained later still shows up).
+ENGINE_METRICS = {
+    "requests": ("counter", "Requests the engine accepted into its queue."),
+    "tokens": ("counter", "Tokens generated, all rows together."),
+    "finished": ("counter", "Requests that finished (end of text, stop sequence or length)."),
+    "cancelled": ("counter", "Requests dropped because their client went away."),
+    "failed": ("counter", "Requests that failed after they were accepted."),
+    "rejected_overloaded": ("counter", "Requests refused because the queue was full (429)."),
+    "steps_prefill": ("counter", "Forward passes that read new prompts."),
+    "steps_decode": ("counter", "Forward passes that generated one token per running row."),
+    "busy_seconds": ("counter", "Seconds the scheduler spent in forward passes."),
+    "waiting": ("gauge", "Requests waiting for a slot in the batch (the queue's length)."),
+    "running": ("gauge", "Rows in the running batch."),
+    "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
+}
+
+
+def _number(value: float) -> str:
+    """A sample value as Prometheus writes it (integers without ".0", +Inf, NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+class Histogram:
+    """Counts of observations at or below each bucket edge, their sum and count.
+    Thread-safe: the scheduler thread observes, the event loop's thread renders."""
+
+    def __init__(self, name: str, help: str, buckets):
+        self.name, self.help = name, help
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)     # the last: above every edge
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.buckets, value)  # first edge >= value: le is "<="
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += value
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for edge, count in zip(self.buckets + (math.inf,), counts):
+            cumulative += count
+            le = "+Inf" if edge == math.inf else repr(float(edge))
+            out.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        out += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {cumulative}"]
+        return out
+
+
+class Metrics:
+    """The engine's latency histograms and the HTTP side's answer counts.
+
+    ``observe_token(handle, first)`` is called by the scheduler for each token of a request:
+    the first one is timed from the request's submission (time to first token, queueing
+    included), each later one from the same request's previous token.
+    """
+
+    def __init__(self):
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Seconds from a request's submission to its first generated token (queueing and "
+            "prefill included).", TTFT_BUCKETS)
+        self.per_token = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Seconds between two consecutive generated tokens of one request.", TOKEN_BUCKETS)
+        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._responses: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def observe_token(self, handle, first: bool) -> None:
+        """One token of ``handle`` (an engine ``Handle``) was generated just now."""
+        now = time.perf_counter()
+        if first:
+            self.ttft.observe(now - handle.submitted)
+        else:
+            last = self._last.get(handle)
+            if last is not None:
+                self.per_token.observe(now - last)
+        self._last[handle] = now
+
+    def count_response(self, status: int) -> None:
+        with self._lock:
+            self._responses[status] = self._responses.get(status, 0) + 1
+
+    def render(self, snapshot: dict) -> str:
+        """The whole page: the engine's ``snapshot()`` counters and gauges, the answers by
+        status code, the histograms."""
+        lines = []
+        for key in sorted(set(ENGINE_METRICS) | set(snapshot)):
+            kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
+            name = PREFIX + key
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
+                      f"{name} {_number(snapshot.get(key, 0))}"]
+        with self._lock:
+            responses = sorted(self._responses.items())
+        name = PREFIX + "responses"
+        lines += [f"# HELP {name} HTTP answers by status code.", f"# TYPE {name} counter"]
+        lines += [f'{name}{{code="{code}"}} {count}' for code, count in responses]
+        # 499 is not a refusal: it marks a client that hung up (see ``cancelled``).
+        rejected = sum(count for code, count in responses if 400 <= code < 500 and code != 499)
+        name = PREFIX + "rejected"
+        lines += [f"# HELP {name} Requests answered with a 4xx status (refused at the door, "
+                  f"not found, or the queue was full).", f"# TYPE {name} counter",
+                  f"{name} {rejected}"]
+        lines += self.ttft.lines() + self.per_token.lines()
+        return "\n".join(lines) + "\n"
+
+
+#: The content type of Prometheus' text format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class CountResponses:
+    """ASGI middleware that counts the HTTP answers by status code into ``metrics``."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)

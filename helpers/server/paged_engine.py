@@ -1,0 +1,175 @@
+"""The engine on lesson 08's paged KV cache, with prefix caching and chunked prefill.
+(Lessons 07 and 08.)
+
+``PagedEngine`` is ``Engine`` with lesson 08's batching functions in place of lesson 03's:
+``paged_batch_from_token_ids`` (the tokenized form of ``init_paged_batch``),
+``paged_next_token``, ``merge_paged_batches`` and ``filter_paged_batch``. Everything else,
+from checking a request to choosing each row's token and handing it out, is ``Engine``'s.
+
+    python -m helpers.server --kv-cache paged
+
+What changes for the requests:
+
+* the KV cache is a pool of blocks, sized so that ``max_batch_size`` requests of
+  ``max_total_tokens`` always fit: a request admitted into a free slot never waits for blocks;
+* prompts that share a prefix (a system prompt, a few-shot preamble) share its blocks, and
+  only the rest is computed;
+* a long prompt is read ``max_prefill_tokens`` tokens at a time, each chunk followed by a
+  decode step of the running rows, so their streams do not freeze while it is read.
+
+Prompt log probabilities (``prompt_logprobs``) need the logits at every prompt position, which
+a prefill split into chunks, or skipped for a cached prefix, does not give: for the requests
+that ask, the prompt is scored by a forward pass of its own when the request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
+                     merge_paged_batches, paged_next_token)
+from ..paged.batching import paged_batch_from_token_ids
+from . import sampling
+from .engine import Engine, PromptEvent, _Row
+
+
+class PagedEngine(Engine):
+    """``Engine`` on a paged KV cache. (Lesson 08.)
+
+    block_size:         token positions per block of the pool
+    prefix_caching:     new requests reuse the cached blocks of their prompt's prefix
+    max_prefill_tokens: prompt tokens read per step at most (chunked prefill); None: no cap
+    num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
+                        ``max_total_tokens`` tokens)
+    Every other argument is ``Engine``'s.
+    """
+
+    kv_cache = "paged"
+
+    def __init__(self, model, tokenizer, *, block_size: int = 16, prefix_caching: bool = True,
+                 max_prefill_tokens: int | None = 64, num_blocks: int | None = None,
+                 **options):
+        super().__init__(model, tokenizer, **options)
+        if num_blocks is None:
+            num_blocks = self.max_batch_size * math.ceil(self.max_total_tokens / block_size)
+        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
+                                               not isinstance(max_prefill_tokens, int) or
+                                               max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be a positive integer or None, "
+                             f"got {max_prefill_tokens!r}")
+        self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching)
+        self.max_prefill_tokens = max_prefill_tokens
+        self._batch = PagedBatch.empty()    # rows that have read their prompts
+        self._new = PagedBatch.empty()      # rows still reading theirs (chunked prefill)
+
+    def step(self) -> None:
+        """One turn: lesson 08's ``generate_paged`` loop for requests that come and go."""
+        # 1. Rows whose client went away leave (their blocks go back to the pool).
+        self._drop_cancelled()
+        # 2. Once the last newcomers have read their prompts, free slots take waiting
+        #    requests, each with the blocks the pool promises it.
+        if len(self._new) == 0:
+            with self._cond:
+                self._new = self._admit()
+            self._score_prompts(self._new)
+        # 3. The newcomers read (a chunk of) their prompts; once all are read, they join.
+        if len(self._new):
+            self._generate(self._new, "prefill", self.max_prefill_tokens)
+            self._new = filter_paged_batch(self.cache, self._new)
+            if self._new.prefilled:
+                self._batch = merge_paged_batches(self._batch, self._new)
+                self._new = PagedBatch.empty()
+        # 4. One decode step for the running rows; the finished ones leave.
+        if len(self._batch):
+            self._generate(self._batch, "decode", None)
+            self._batch = filter_paged_batch(self.cache, self._batch)
+
+    def _admit(self) -> PagedBatch:
+        """Waiting requests, first come first served, while a slot is free and the pool can
+        hold them (a request it cannot hold yet waits at the head of the queue)."""
+        new = PagedBatch.empty()
+        while self._waiting and len(self._rows) < self.max_batch_size:
+            handle = self._waiting[0]
+            if handle.cancelled:
+                self._waiting.popleft()
+                self.stats["cancelled"] += 1
+                continue
+            prepared = handle.prepared
+            try:
+                row = paged_batch_from_token_ids(
+                    self.cache, [prepared.input_ids], [max(1, prepared.max_new_tokens)],
+                    [handle.id], [prepared.adapter])
+            except PoolExhausted:
+                break
+            self._waiting.popleft()
+            self._rows[handle.id] = _Row(handle)
+            new = merge_paged_batches(new, row)
+        return new
+
+    def _score_prompts(self, batch: PagedBatch) -> None:
+        """The PromptEvent of every new row that asked for it, from a forward pass of its
+        prompt alone (with its adapter)."""
+        outgoing = []
+        for rid, adapter in zip(batch.request_ids, batch.adapters):
+            row = self._rows[rid]
+            if row.params.prompt_logprobs:
+                self._guarded(row, self._score_alone, row, adapter, outgoing)
+        self._send(outgoing)
+
+    def _score_alone(self, row: _Row, adapter: str | None, outgoing: list) -> None:
+        lora = self.adapters.lora
+        if lora.names:
+            lora.set_rows([adapter])
+        ids = torch.tensor([row.prompt_ids], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0]
+        tokens = sampling.prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
+                                          row.params.alternatives)
+        outgoing.append((row.handle, PromptEvent(tokens)))
+
+    def _generate(self, batch: PagedBatch, kind: str, max_prefill_tokens: int | None) -> None:
+        """Lesson 08's ``paged_next_token`` with the rows' adapters and ``Engine``'s chooser;
+        then the rows that got a token hand it out."""
+        start = time.perf_counter()
+        self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
+        outgoing, chosen = [], []
+
+        def choose(logits, rows):
+            picked = [self._rows[batch.request_ids[i]] for i in rows]
+            chosen.extend(zip(rows, picked))
+            return self._choose(picked, logits, outgoing)
+
+        lora = self.adapters.lora if self.adapters.lora.names else None
+        # EOS is handled by _accept (per row: ignore_eos, grammars), not by the helper.
+        paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
+                         max_prefill_tokens, lora, choose=choose)
+        self._hand_out(batch, chosen, outgoing)
+        self.stats[f"steps_{kind}"] += 1
+        self.stats["tokens"] += len(chosen)
+        self.stats["busy_seconds"] += time.perf_counter() - start
+
+    def _drop_cancelled(self) -> None:
+        for name in ("_batch", "_new"):
+            batch = getattr(self, name)
+            cancelled = [i for i, rid in enumerate(batch.request_ids)
+                         if self._rows[rid].handle.cancelled]
+            for i in cancelled:
+                batch.done[i] = True
+                del self._rows[batch.request_ids[i]]
+                self.stats["cancelled"] += 1
+            if cancelled:
+                setattr(self, name, filter_paged_batch(self.cache, batch))
+
+    def _fail_rows(self, message: str) -> None:
+        super()._fail_rows(message)
+        for rid in list(self.cache.manager.tables):     # every block back to the pool
+            self.cache.manager.free_request(rid)
+        self._batch, self._new = PagedBatch.empty(), PagedBatch.empty()
+
+    def info(self) -> dict:
+        return {**super().info(), "kv_block_size": self.cache.block_size,
+                "kv_blocks": self.cache.manager.num_blocks,
+                "prefix_caching": self.cache.prefix_caching,
+                "max_prefill_tokens": self.max_prefill_tokens}

@@ -1,0 +1,146 @@
+"""LoRAX's routes (and TGI's: the same protocol). (Lesson 07.)
+
+    POST /                  a JSON array with one answer, or server-sent events when the body
+                            says ``"stream": true`` (what lorax-client and huggingface_hub's
+                            InferenceClient call)
+    POST /generate          one answer (a JSON object)
+    POST /generate_stream   server-sent events, one per token, ``data:{json}``
+
+A LoRAX answer is ``{"generated_text", "details"}``; ``details`` lists every generated token
+(id, text, log probability, special, and ``alternative_tokens`` when
+``return_k_alternatives`` asked for them), ``prefill`` lists the prompt's tokens with their log
+probabilities when ``decoder_input_details`` asked for them (the first has none: nothing comes
+before it), and ``best_of_sequences`` the sequences that ``best_of`` generated and did not pick.
+TGI's ``top_n_tokens`` is answered as TGI does too, in ``details.top_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import guards
+from .protocol import Call, parse_lorax
+from .runner import Run, Sequence, check_call, pick, prompt_text, read_json
+
+router = APIRouter()
+
+
+def sse(data) -> str:
+    """One server-sent event, as LoRAX writes it (``data:`` then compact JSON)."""
+    return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
+
+
+def event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def parse(request: Request) -> Call:
+    engine = request.app.state.engine
+    return check_call(parse_lorax(await read_json(request)), engine, "parameters.")
+
+
+def top_tokens(engine, token: dict) -> list[dict]:
+    """TGI's ``top_tokens`` entry of one generated token: its alternatives, each with
+    ``special`` (LoRAX's ``alternative_tokens`` have no such field)."""
+    special = set(engine.tokenizer.all_special_ids)
+    return [{**alt, "special": alt["id"] in special}
+            for alt in token.get("alternative_tokens") or []]
+
+
+def details(engine, sequence: Sequence, call: Call) -> dict:
+    """The ``details`` of one sequence (LoRAX's shape, with TGI's ``top_tokens`` when asked)."""
+    finish = sequence.finish
+    out = {"finish_reason": finish["finish_reason"], "prompt_tokens": finish["prompt_tokens"],
+           "generated_tokens": finish["generated_tokens"], "seed": finish["seed"],
+           "prefill": [{k: t[k] for k in ("id", "text", "logprob")}
+                       for t in sequence.prompt_tokens or []],
+           "tokens": sequence.tokens}
+    if call.params.alternatives:
+        out["top_tokens"] = [top_tokens(engine, t) for t in sequence.tokens]
+    return out
+
+
+def generated_text(engine, sequence: Sequence, call: Call) -> str:
+    text = sequence.finish["generated_text"]
+    if call.params.return_full_text:
+        text = prompt_text(engine, sequence.prepared) + text
+    return text
+
+
+def answer(engine, sequences: list[Sequence], call: Call) -> dict:
+    """The answer to a non-streaming request: the best of its sequences (one unless
+    ``best_of``), the others in ``details.best_of_sequences``."""
+    best, *others = pick(sequences, len(sequences))
+    out = {"generated_text": generated_text(engine, best, call)}
+    if call.params.details:
+        out["details"] = {**details(engine, best, call), "best_of_sequences": None}
+        if call.best_of > 1:
+            out["details"]["best_of_sequences"] = [
+                {"generated_text": generated_text(engine, s, call),
+                 **{k: v for k, v in details(engine, s, call).items() if k != "prompt_tokens"}}
+                for s in others]
+    return out
+
+
+async def generate_answer(request: Request, call: Call) -> dict:
+    engine = request.app.state.engine
+    run = await Run.start(engine, call)
+    return answer(engine, await run.collect(request), call)
+
+
+def stream_message(engine, sequence: Sequence, event, call: Call) -> dict:
+    """One server-sent event: the token; on the last one also the text and the details."""
+    message = {"index": 0, "token": event.token, "generated_text": None, "details": None}
+    if call.params.alternatives:
+        message["top_tokens"] = top_tokens(engine, event.token)
+    finish = event.finish
+    if finish is not None:
+        message["generated_text"] = generated_text(engine, sequence, call)
+        message["details"] = {"finish_reason": finish["finish_reason"],
+                              "prompt_tokens": finish["prompt_tokens"],
+                              "input_length": finish["prompt_tokens"],       # TGI's name
+                              "generated_tokens": finish["generated_tokens"],
+                              "seed": finish["seed"]}
+    return message
+
+
+async def stream(request: Request, call: Call) -> StreamingResponse:
+    """Server-sent events, one per generated token. The request is prepared and queued before
+    the response starts, so a refused request is an HTTP error, not an event."""
+    engine = request.app.state.engine
+    run = await Run.start(engine, call)
+
+    async def messages():
+        try:
+            async for sequence, event in run.events():
+                if hasattr(event, "finish") and event.token is not None:   # not the prompt
+                    yield sse(stream_message(engine, sequence, event, call))
+        except Exception as err:          # failed after the stream started: say so in it
+            message, error_type = guards.stream_failure(err, request)   # (logs a bug)
+            yield sse({"error": message, "error_type": error_type})
+        finally:       # also when the client hung up between two events
+            run.close()
+
+    return event_stream(messages())
+
+
+@router.post("/")
+async def compat(request: Request):
+    call = await parse(request)
+    if call.stream:
+        return await stream(request, call)
+    return JSONResponse([await generate_answer(request, call)])
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    return JSONResponse(await generate_answer(request, await parse(request)))
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request):
+    return await stream(request, await parse(request))

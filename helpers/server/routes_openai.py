@@ -1,0 +1,310 @@
+"""OpenAI's routes. (Lesson 07.)
+
+    POST /v1/completions         completions (``stream`` too); the adapter goes in ``model``
+    POST /v1/chat/completions    chat completions (``stream`` too); the prompt is the messages
+                                 written out with the model's chat template (``chat.py``)
+    GET  /v1/models              the base model and the adapters
+    GET  /v1/models/{id}         one of them (404 for a name this server does not serve)
+
+What differs from LoRAX's answers: a matched stop sequence is cut from the text, and so are its
+tokens from the log probabilities (a token that begins before the cut and runs into the stop
+sequence stays: part of it is in the text); special tokens (the end token) are never part of
+the text; ``n`` and ``best_of`` return the best sequences as separate choices.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from . import chat, errors, guards
+from .protocol import Call, adapter_of, parse_chat, parse_completion
+from .routes_lorax import event_stream, sse
+from .runner import Run, Sequence, check_call, pick, prompt_text, read_json
+
+router = APIRouter()
+
+
+def finish_reason(sequence: Sequence) -> str:
+    return "length" if sequence.finish["finish_reason"] == "length" else "stop"
+
+
+def cut(sequence: Sequence) -> tuple[str, list[tuple[int, dict]]]:
+    """The generated text as OpenAI returns it (special tokens left out, as vLLM's
+    ``skip_special_tokens`` does, and without a matched stop sequence) and the tokens in it,
+    each with where it starts in that text. The text is built from the tokens' own pieces, so
+    a streamed answer and a whole one are the same text."""
+    finish = sequence.finish
+    stop_at = finish.get("stop_at") if finish["finish_reason"] == "stop_sequence" else None
+    text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
+    for token in sequence.tokens:
+        piece, start = token["text"], engine_offset
+        engine_offset += len(piece)
+        if stop_at is not None and start >= stop_at:
+            break                                   # the stop sequence and what follows
+        if token["special"]:
+            continue
+        if stop_at is not None and engine_offset > stop_at:
+            piece = piece[:stop_at - start]        # the token the stop sequence starts in
+        kept.append((len(text), token))
+        text += piece
+    return text, kept
+
+
+def usage(sequences: list[Sequence]) -> dict:
+    """Token counts: each prompt once, every generated sequence (chosen or not)."""
+    prompts = {s.index: s.finish["prompt_tokens"] for s in sequences}
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(s.finish["generated_tokens"] for s in sequences)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def header(kind: str, call: Call) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": call.model}
+
+
+def top_of(token: dict) -> dict:
+    return {alt["text"]: alt["logprob"] for alt in token.get("alternative_tokens") or []}
+
+
+async def parse(request: Request, parser) -> Call:
+    engine = request.app.state.engine
+    return check_call(parser(await read_json(request), engine.model_id), engine)
+
+
+# --- completions ----------------------------------------------------------------------------
+
+def completion_logprobs(entries: list[tuple[int, str, float | None, dict | None]]) -> dict:
+    """OpenAI's completions ``logprobs`` from ``(offset, text, logprob, top)`` entries."""
+    return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
+            "top_logprobs": [e[3] for e in entries], "text_offset": [e[0] for e in entries]}
+
+
+def prompt_entries(sequence: Sequence) -> list[tuple]:
+    """The echoed prompt's tokens as logprobs entries; the first has no log probability and
+    no alternatives (nothing comes before it)."""
+    entries, offset = [], 0
+    for i, token in enumerate(sequence.prompt_tokens or []):
+        entries.append((offset, token["text"], token["logprob"], top_of(token) if i else None))
+        offset += len(token["text"])
+    return entries
+
+
+def completion_choice(engine, sequence: Sequence, call: Call, index: int) -> dict:
+    text, kept = cut(sequence)
+    prefix = prompt_text(engine, sequence.prepared) if call.echo else ""
+    logprobs = None
+    if call.logprobs is not None:
+        entries = prompt_entries(sequence) if call.echo else []
+        entries += [(len(prefix) + start, t["text"], t["logprob"], top_of(t))
+                    for start, t in kept]
+        logprobs = completion_logprobs(entries)
+    return {"index": index, "text": prefix + text, "logprobs": logprobs,
+            "finish_reason": finish_reason(sequence)}
+
+
+def chosen(run: Run, call: Call) -> list[Sequence]:
+    """The sequences returned: the ``n`` best of each prompt's copies, prompt by prompt."""
+    return [s for group in run.by_prompt() for s in pick(group, call.n)]
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    engine = request.app.state.engine
+    call = await parse(request, parse_completion)
+    run = await Run.start(engine, call)
+    if call.stream:
+        return event_stream(completion_stream(engine, run, call))
+    sequences = await run.collect(request)
+    choices = [completion_choice(engine, s, call, i) for i, s in enumerate(chosen(run, call))]
+    return JSONResponse({**header("text_completion", call), "choices": choices,
+                         "usage": usage(sequences)})
+
+
+class Held:
+    """One streamed choice's text, held back while its end could still be the start of a stop
+    sequence (OpenAI leaves the stop sequence out, and a chunk once sent cannot be taken
+    back). Tokens are released whole, with their log probabilities."""
+
+    def __init__(self, stop: list[str]):
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.pending: list[tuple[int, dict]] = []
+
+    def add(self, token: dict | None) -> tuple[str, list[tuple[int, dict]]]:
+        """Take a token that is not the last; ``(text, tokens)`` that can be sent now (maybe
+        nothing)."""
+        self.take(token)
+        safe = len(self.text) - self.hold
+        ready = []
+        while self.pending and self.pending[0][0] + len(self.pending[0][1]["text"]) <= safe:
+            ready.append(self.pending.pop(0))
+        if not ready:
+            return "", []
+        start, last = ready[-1]
+        return self._release(start + len(last["text"])), ready
+
+    def take(self, token: dict | None) -> None:
+        if token is not None and not token["special"]:
+            self.pending.append((len(self.text), token))
+            self.text += token["text"]
+
+    def finish(self, last: dict | None, final: str) -> tuple[str, list[tuple[int, dict]]]:
+        """Take the last token; the rest, now that the final text (a stop sequence cut from
+        it) is known. (The last token is never released before: it may hold the whole stop
+        sequence, a one-character one for instance.)"""
+        self.take(last)
+        ready = [(start, t) for start, t in self.pending if start < len(final)]
+        self.pending = []
+        return self._release(len(final), final), ready
+
+    def _release(self, end: int, text: str | None = None) -> str:
+        piece = (self.text if text is None else text)[self.sent:end]
+        self.sent = max(self.sent, end)
+        return piece
+
+
+async def completion_stream(engine, run: Run, call: Call):
+    meta = header("text_completion", call)
+    held = {s: Held(call.params.stop) for s in run.sequences}
+
+    def chunk(index, text, tokens, offset=0, reason=None, prompt=None):
+        logprobs = None
+        if call.logprobs is not None:
+            entries = list(prompt or []) + [(offset + start, t["text"], t["logprob"], top_of(t))
+                                            for start, t in tokens]
+            logprobs = completion_logprobs(entries)
+        return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": reason}]})
+
+    try:
+        prefixes = {}
+        for s in run.sequences:
+            prefixes[s] = prompt_text(engine, s.prepared) if call.echo else ""
+            if call.echo and not call.params.prompt_logprobs:
+                yield chunk(s.index * call.n + s.copy, prefixes[s], [])
+        async for s, event in run.events():
+            index, offset = s.index * call.n + s.copy, len(prefixes[s])
+            if not hasattr(event, "finish"):           # the prompt's tokens (echo + logprobs)
+                yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
+                continue
+            if event.finish is None:
+                text, tokens = held[s].add(event.token)
+                if text or tokens:
+                    yield chunk(index, text, tokens, offset)
+                continue
+            text, tokens = held[s].finish(event.token, cut(s)[0])
+            yield chunk(index, text, tokens, offset, finish_reason(s))
+        if call.include_usage:
+            yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
+        yield "data: [DONE]\n\n"
+    except Exception as err:       # failed after the stream started: say so in it
+        message, error_type = guards.stream_failure(err)      # (logs a bug)
+        yield sse({"error": {"message": message, "type": error_type}})
+    finally:       # also when the client hung up between two chunks
+        run.close()
+
+
+# --- chat completions -----------------------------------------------------------------------
+
+def chat_logprobs(tokens: list[tuple[int, dict]]) -> dict:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def entry(token: dict) -> dict:
+        return {"token": token["text"], "logprob": token["logprob"],
+                "bytes": list(token["text"].encode("utf-8"))}
+
+    return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in
+                                                      t.get("alternative_tokens") or []]}
+                        for _, t in tokens]}
+
+
+def chat_choice(sequence: Sequence, call: Call, index: int) -> dict:
+    text, kept = cut(sequence)
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": chat_logprobs(kept) if call.logprobs is not None else None,
+            "finish_reason": finish_reason(sequence)}
+
+
+async def chat_run(request: Request) -> tuple[Run, Call]:
+    engine = request.app.state.engine
+    call = await parse(request, parse_chat)
+    prompt = await chat.prompt(engine, call.messages)
+    return await Run.start(engine, call, [prompt]), call
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    run, call = await chat_run(request)
+    if call.stream:
+        return event_stream(chat_stream(run, call))
+    sequences = await run.collect(request)
+    choices = [chat_choice(s, call, i) for i, s in enumerate(chosen(run, call))]
+    return JSONResponse({**header("chat.completion", call), "choices": choices,
+                         "usage": usage(sequences)})
+
+
+async def chat_stream(run: Run, call: Call):
+    meta = header("chat.completion.chunk", call)
+    held = {s: Held(call.params.stop) for s in run.sequences}
+
+    def chunk(index, delta, tokens=(), reason=None):
+        logprobs = chat_logprobs(list(tokens)) if call.logprobs is not None and tokens else None
+        return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": reason}]})
+
+    try:
+        for s in run.sequences:
+            yield chunk(s.copy, {"role": "assistant", "content": ""})
+        async for s, event in run.events():
+            if not hasattr(event, "finish"):
+                continue
+            if event.finish is None:
+                text, tokens = held[s].add(event.token)
+                if text or tokens:
+                    yield chunk(s.copy, {"content": text}, tokens)
+                continue
+            text, tokens = held[s].finish(event.token, cut(s)[0])
+            if text or tokens:
+                yield chunk(s.copy, {"content": text}, tokens)
+            yield chunk(s.copy, {}, reason=finish_reason(s))
+        if call.include_usage:
+            yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
+        yield "data: [DONE]\n\n"
+    except Exception as err:       # failed after the stream started: say so in it
+        message, error_type = guards.stream_failure(err)      # (logs a bug)
+        yield sse({"error": {"message": message, "type": error_type}})
+    finally:       # also when the client hung up between two chunks
+        run.close()
+
+
+# --- models ---------------------------------------------------------------------------------
+
+def model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "course"}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    engine = request.app.state.engine
+    names = [engine.model_id] + engine.adapters.available()
+    return {"object": "list", "data": [model_card(name) for name in names]}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(request: Request, name: str):
+    engine = request.app.state.engine
+    adapter = adapter_of(name, engine.model_id)
+    if adapter is None:                # the base model, under any of its names
+        return model_card(engine.model_id)
+    available = engine.adapters.available()
+    if adapter not in available and adapter not in engine.adapters.loaded:
+        raise errors.NotFound(f"the model {name!r} does not exist on this server: it serves "
+                              f"{engine.model_id!r} and the adapters {available}")
+    return model_card(name)
