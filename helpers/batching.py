@@ -275,6 +275,8 @@ def filter_batch(batch: Batch) -> Batch:
     if not batch.prefilled:
         raise ValueError("filter_batch needs a batch that has read its prompts: call "
                          "generate_next_token on it first")
+    if len(keep) == len(batch) and bool(batch.attention_mask[:, 0].any()):
+        return batch        # nothing to drop, nothing to cut (checked cheaply: most steps)
     rows = torch.tensor(keep, device=batch.attention_mask.device)
     mask = batch.attention_mask[rows]
     # The first column where some row has a real token: everything before it is shared padding.

@@ -755,7 +755,7 @@ def test_a_failing_model_fails_its_requests_not_the_server(tiny_llama, monkeypat
     def flaky(self, *args, **kwargs):
         if failures:
             failures.pop()
-            raise RuntimeError("out of memory (simulated)")
+            raise RuntimeError("CUDA error at /opt/secret/kernel.cu:42 (simulated)")
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "forward", flaky)
@@ -777,3 +777,4 @@ def test_a_failing_model_fails_its_requests_not_the_server(tiny_llama, monkeypat
     assert failed.json() == {"error": "generation failed; the server's log has the details",
                              "error_type": "generation"}
     assert served.status_code == 200 and health.status_code == 200
+    assert "/opt/secret" not in failed.text and "RuntimeError" not in failed.text

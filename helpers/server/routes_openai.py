@@ -120,7 +120,8 @@ async def completions(request: Request):
     call = await parse(request, parse_completion)
     run = await Run.start(engine, call)
     if call.stream:
-        return event_stream(completion_stream(engine, run, call))
+        meta = header("text_completion", call)
+        return openai_stream(completion_stream(engine, run, call, meta), run, call, meta)
     sequences = await run.collect(request)
     choices = [completion_choice(engine, s, call, i) for i, s in enumerate(chosen(run, call))]
     return JSONResponse({**header("text_completion", call), "choices": choices,
@@ -171,8 +172,27 @@ class Held:
         return piece
 
 
-async def completion_stream(engine, run: Run, call: Call):
-    meta = header("text_completion", call)
+def openai_stream(chunks, run: Run, call: Call, meta: dict):
+    """A streamed OpenAI answer: ``chunks``, then the usage chunk if asked and ``[DONE]``; an
+    error chunk if it fails after it started; the run closed in every case (also when the
+    client hangs up between two chunks)."""
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield chunk
+            if call.include_usage:
+                yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
+            yield "data: [DONE]\n\n"
+        except Exception as err:
+            message, error_type = guards.stream_failure(err)      # (logs a bug)
+            yield sse({"error": {"message": message, "type": error_type}})
+        finally:
+            run.close()
+    return event_stream(events())
+
+
+async def completion_stream(engine, run: Run, call: Call, meta: dict):
+    """The chunks of a streamed completion (``openai_stream`` adds the end)."""
     held = {s: Held(call.params.stop) for s in run.sequences}
 
     def chunk(index, text, tokens, offset=0, reason=None, prompt=None):
@@ -184,32 +204,23 @@ async def completion_stream(engine, run: Run, call: Call):
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
-    try:
-        prefixes = {}
-        for s in run.sequences:
-            prefixes[s] = prompt_text(engine, s.prepared) if call.echo else ""
-            if call.echo and not call.params.prompt_logprobs:
-                yield chunk(s.index * call.n + s.copy, prefixes[s], [])
-        async for s, event in run.events():
-            index, offset = s.index * call.n + s.copy, len(prefixes[s])
-            if not hasattr(event, "finish"):           # the prompt's tokens (echo + logprobs)
-                yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
-                continue
-            if event.finish is None:
-                text, tokens = held[s].add(event.token)
-                if text or tokens:
-                    yield chunk(index, text, tokens, offset)
-                continue
-            text, tokens = held[s].finish(event.token, cut(s)[0])
-            yield chunk(index, text, tokens, offset, finish_reason(s))
-        if call.include_usage:
-            yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
-        yield "data: [DONE]\n\n"
-    except Exception as err:       # failed after the stream started: say so in it
-        message, error_type = guards.stream_failure(err)      # (logs a bug)
-        yield sse({"error": {"message": message, "type": error_type}})
-    finally:       # also when the client hung up between two chunks
-        run.close()
+    prefixes = {}
+    for s in run.sequences:
+        prefixes[s] = prompt_text(engine, s.prepared) if call.echo else ""
+        if call.echo and not call.params.prompt_logprobs:
+            yield chunk(s.index * call.n + s.copy, prefixes[s], [])
+    async for s, event in run.events():
+        index, offset = s.index * call.n + s.copy, len(prefixes[s])
+        if not hasattr(event, "finish"):           # the prompt's tokens (echo + logprobs)
+            yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
+            continue
+        if event.finish is None:
+            text, tokens = held[s].add(event.token)
+            if text or tokens:
+                yield chunk(index, text, tokens, offset)
+            continue
+        text, tokens = held[s].finish(event.token, cut(s)[0])
+        yield chunk(index, text, tokens, offset, finish_reason(s))
 
 
 # --- chat completions -----------------------------------------------------------------------
@@ -243,15 +254,16 @@ async def chat_run(request: Request) -> tuple[Run, Call]:
 async def chat_completions(request: Request):
     run, call = await chat_run(request)
     if call.stream:
-        return event_stream(chat_stream(run, call))
+        meta = header("chat.completion.chunk", call)
+        return openai_stream(chat_stream(run, call, meta), run, call, meta)
     sequences = await run.collect(request)
     choices = [chat_choice(s, call, i) for i, s in enumerate(chosen(run, call))]
     return JSONResponse({**header("chat.completion", call), "choices": choices,
                          "usage": usage(sequences)})
 
 
-async def chat_stream(run: Run, call: Call):
-    meta = header("chat.completion.chunk", call)
+async def chat_stream(run: Run, call: Call, meta: dict):
+    """The chunks of a streamed chat completion (``openai_stream`` adds the end)."""
     held = {s: Held(call.params.stop) for s in run.sequences}
 
     def chunk(index, delta, tokens=(), reason=None):
@@ -259,29 +271,20 @@ async def chat_stream(run: Run, call: Call):
         return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
-    try:
-        for s in run.sequences:
-            yield chunk(s.copy, {"role": "assistant", "content": ""})
-        async for s, event in run.events():
-            if not hasattr(event, "finish"):
-                continue
-            if event.finish is None:
-                text, tokens = held[s].add(event.token)
-                if text or tokens:
-                    yield chunk(s.copy, {"content": text}, tokens)
-                continue
-            text, tokens = held[s].finish(event.token, cut(s)[0])
+    for s in run.sequences:
+        yield chunk(s.copy, {"role": "assistant", "content": ""})
+    async for s, event in run.events():
+        if not hasattr(event, "finish"):
+            continue
+        if event.finish is None:
+            text, tokens = held[s].add(event.token)
             if text or tokens:
                 yield chunk(s.copy, {"content": text}, tokens)
-            yield chunk(s.copy, {}, reason=finish_reason(s))
-        if call.include_usage:
-            yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
-        yield "data: [DONE]\n\n"
-    except Exception as err:       # failed after the stream started: say so in it
-        message, error_type = guards.stream_failure(err)      # (logs a bug)
-        yield sse({"error": {"message": message, "type": error_type}})
-    finally:       # also when the client hung up between two chunks
-        run.close()
+            continue
+        text, tokens = held[s].finish(event.token, cut(s)[0])
+        if text or tokens:
+            yield chunk(s.copy, {"content": text}, tokens)
+        yield chunk(s.copy, {}, reason=finish_reason(s))
 
 
 # --- models ---------------------------------------------------------------------------------
