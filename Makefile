@@ -56,6 +56,8 @@ lab: $(STAMP)
 test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+	# the server's tests again on lesson 08's paged KV cache (python -m helpers.server --kv-cache paged)
+	COURSE_SERVER_KV=paged $(PY) -m pytest -p no:cacheprovider -q tests/test_server.py tests/test_clients.py
 
 # Installs Debian's Chromium when missing (Playwright's own browser download is not used).
 test-browser: $(STAMP)
