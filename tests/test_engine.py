@@ -22,7 +22,8 @@ from helpers.lora import ADAPTERS_DIR
 from helpers.server import engine as engine_module
 from helpers.server import sampling
 from helpers.server.engine import Engine, ErrorEvent, PromptEvent, TokenEvent
-from helpers.server.errors import GenerationFailed, InvalidRequest, Overloaded, Unavailable
+from helpers.server.errors import (GenerationFailed, InvalidRequest, Overloaded, TooLarge,
+                                   Unavailable)
 from helpers.server.paged_engine import PagedEngine
 from helpers.server.protocol import GenerationParams
 
@@ -362,6 +363,18 @@ def test_a_huge_prompt_is_refused_before_tokenizing(engine, monkeypatch):
     # A prompt just over the token limit is tokenized and refused by its token count.
     with pytest.raises(InvalidRequest, match="given: 1[0-9][0-9] tokens"):
         engine.prepare("Jack and Jill " * 60, GenerationParams(max_new_tokens=4))
+
+
+def test_scoring_a_prompt_is_bounded_in_memory(engine, monkeypatch):
+    """The logits kept to score a prompt grow with its length times the vocabulary: beyond
+    MAX_SCORING_BYTES the request is refused before anything runs."""
+    per_token = engine.vocab_size * 4 * engine_module.SCORING_COPIES
+    monkeypatch.setattr(engine_module, "MAX_SCORING_BYTES", 5 * per_token)
+    scoring = GenerationParams(max_new_tokens=0, prompt_logprobs=True)
+    engine.prepare([5] * 5, scoring)                                   # at the bound
+    with pytest.raises(TooLarge, match="at most 5 prompt tokens"):
+        engine.prepare([5] * 6, scoring)
+    engine.prepare([5] * 6, GenerationParams(max_new_tokens=0))        # not scored: no bound
 
 
 def test_limits_raise_engine_errors(reference):

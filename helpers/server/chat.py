@@ -19,6 +19,9 @@ from .errors import InvalidRequest, TooLarge
 #: packs more than a few characters into a token of ordinary text; the bound lets a huge chat
 #: be refused before it is rendered and tokenized.
 CHARS_PER_TOKEN = 32
+#: What each message costs beside its text, counted in characters: a template writes a role
+#: and separators for every message, so many empty messages are not free.
+CHARS_PER_MESSAGE = 16
 
 
 def render(tokenizer, messages: list[dict]) -> str:
@@ -49,9 +52,10 @@ def _adds_bos(tokenizer) -> bool:
 
 async def prompt(engine, messages: list[dict]) -> str:
     """The prompt for ``messages`` on ``engine``'s model (rendered in a worker thread)."""
-    size = sum(len(m["content"]) for m in messages)
+    size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in messages)
     limit = CHARS_PER_TOKEN * engine.max_input_tokens
     if size > limit:
-        raise TooLarge(f"the messages hold {size} characters; this server reads prompts of at "
-                       f"most {engine.max_input_tokens} tokens")
+        raise TooLarge(f"the {len(messages)} messages count as {size} characters "
+                       f"({CHARS_PER_MESSAGE} per message for its role and separators); this "
+                       f"server reads prompts of at most {engine.max_input_tokens} tokens")
     return await run_in_threadpool(render, engine.tokenizer, messages)

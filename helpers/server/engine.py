@@ -47,7 +47,7 @@ from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore
 from .detok import IncrementalDecoder
-from .errors import EngineError, InvalidRequest, Overloaded, Unavailable
+from .errors import EngineError, InvalidRequest, Overloaded, TooLarge, Unavailable
 from .grammar import Grammars
 from .metrics import Metrics
 from .options import DEFAULTS
@@ -58,6 +58,11 @@ log = logging.getLogger("helpers.server")
 #: A prompt longer than this many characters per allowed token is refused before it is
 #: tokenized (see ``Engine.max_prompt_chars``).
 CHARS_PER_TOKEN_MARGIN = 2
+#: Memory one request may take for its prompt's log probabilities (``prompt_logprobs``): the
+#: logits of every prompt position, in float32, about three times over (the model's output,
+#: a float copy, the log-softmax).
+MAX_SCORING_BYTES = 256 * 2**20
+SCORING_COPIES = 3
 
 
 # --- what travels between the HTTP side and the scheduler --------------------------------
@@ -263,8 +268,16 @@ class Engine:
         from a worker thread."""
         ids = self._prompt_ids(prompt, params.truncate)
         if len(ids) > self.max_input_tokens:
-            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(ids)} tokens")
+        # Scoring a prompt keeps one row of logits per prompt token: bounded, so that a short
+        # request to a model with a large vocabulary cannot take gigabytes.
+        scoring_bytes = len(ids) * self.vocab_size * 4 * SCORING_COPIES
+        if params.prompt_logprobs and scoring_bytes > MAX_SCORING_BYTES:
+            most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
+            raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "
+                           f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
+                           f"given: {len(ids)} tokens")
         max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
         bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad_bias:
@@ -284,7 +297,7 @@ class Engine:
         long to fit is refused by its length in characters, before any tokenizing."""
         if isinstance(prompt, str):
             if prompt == "":
-                raise InvalidRequest("`inputs` must not be empty")
+                raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
             ids = self._tokenize(prompt, truncate)
         elif isinstance(prompt, (list, tuple)):
             ids = self._check_token_ids(prompt, truncate)
@@ -293,7 +306,7 @@ class Engine:
         if truncate is not None and len(ids) > truncate:
             ids = ids[-truncate:]                 # keep the end, nearest the answer
         if not ids:
-            raise InvalidRequest("`inputs` has no tokens")
+            raise InvalidRequest("the prompt (`inputs`, `prompt`) has no tokens")
         return list(ids)
 
     def _tokenize(self, text: str, truncate: int | None) -> list[int]:
@@ -305,7 +318,7 @@ class Engine:
         (the tokens kept are the same, unless the cut falls inside one very long word)."""
         keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
         if keep is None and len(text) > self.max_prompt_chars:
-            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(text)} characters, more "
                                  f"than that many tokens can hold")
         if keep is not None:
@@ -319,7 +332,7 @@ class Engine:
     def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
         """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
         if len(ids) > self.max_input_tokens and truncate is None:
-            raise InvalidRequest(f"`inputs` must have at most {self.max_input_tokens} tokens "
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(ids)} tokens")
         for i, token in enumerate(ids):
             if isinstance(token, bool) or not isinstance(token, int) \
@@ -333,9 +346,9 @@ class Engine:
         if asked is None:
             return min(self.default_max_new_tokens, room)
         if asked > room:
-            raise InvalidRequest(f"`inputs` tokens + `max_new_tokens` must be <= "
-                                 f"{self.max_total_tokens} (--max-total-tokens); given: "
-                                 f"{n_prompt} `inputs` tokens and {asked} `max_new_tokens`")
+            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
+                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
+                                 f"{n_prompt} prompt tokens and {asked} new tokens")
         return asked
 
     def _compile_grammar(self, grammar, max_new: int):
@@ -458,14 +471,15 @@ class Engine:
     def _new_batches(self, handles: list[Handle]) -> list[tuple[Batch, int]]:
         """The new requests as batches (lesson 03's ``init_batch``, from token ids), each with
         the logits its prefill keeps: the last position only, or every position (0) for the
-        requests that asked for their prompt's log probabilities, which get a batch of their
-        own so that nobody else's logits are kept."""
+        requests that asked for their prompt's log probabilities, which get a batch each so
+        that nobody else's logits are kept."""
         for handle in handles:
             self._rows[handle.id] = _Row(handle)
-        scoring = [h for h in handles if h.prepared.params.prompt_logprobs]
+        scoring = [[h] for h in handles if h.prepared.params.prompt_logprobs]
         others = [h for h in handles if not h.prepared.params.prompt_logprobs]
         batches = []
-        for group, keep in ((others, 1), (scoring, 0)):
+        # Each scoring request alone: its logits are bounded in prepare (MAX_SCORING_BYTES).
+        for group, keep in [(others, 1)] + [(one, 0) for one in scoring]:
             if group:
                 batch = batch_from_token_ids(
                     [h.prepared.input_ids for h in group],
@@ -485,7 +499,7 @@ class Engine:
         outgoing: list = []
 
         def choose(logits):
-            return self._choose(rows, logits, outgoing)
+            return self._choose(rows, logits, outgoing, score=logits_to_keep == 0)
 
         # EOS is handled by _accept (per row: ignore_eos, grammars), not by the helper.
         generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
@@ -497,12 +511,14 @@ class Engine:
 
     # --- choosing tokens --------------------------------------------------------------------
 
-    def _choose(self, rows: list[_Row], logits: torch.Tensor, outgoing: list) -> list[int]:
+    def _choose(self, rows: list[_Row], logits: torch.Tensor, outgoing: list,
+                score: bool = False) -> list[int]:
         """The chooser given to ``generate_next_token``: each row's next token, by its own
-        rules. ``logits`` is (rows, positions, vocab); more than one position means the
-        prefill kept every position to score the prompts. A row whose choice fails gets
+        rules. ``logits`` is (rows, positions, vocab); ``score``: the prefill kept every
+        position to score the prompts (a one-token prompt has one position and is scored
+        too). A row whose choice fails gets
         ``error`` set (and padding as its token): it fails alone."""
-        if logits.shape[1] > 1:
+        if score:
             for i, row in enumerate(rows):
                 # The prompt sits in the last columns (padding is on the left).
                 self._guarded(row, self._score_prompt, row, logits[i, -len(row.prompt_ids):],

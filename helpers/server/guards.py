@@ -275,7 +275,8 @@ def check_ranges(p, prefix: str = "", vocab_size: int | None = None) -> None:
         raise invalid(f"{_where(prefix, 'repetition_penalty')} must be between {low:g} and "
                       f"{high:g} (1 is none), got {p.repetition_penalty:g}")
     if p.typical_p is not None and not 0 < p.typical_p <= 1:
-        raise invalid(f"{_where(prefix, 'typical_p')} must be > 0 and <= 1, got {p.typical_p:g}")
+        raise invalid(f"{_where(prefix, 'typical_p')} must be > 0 and <= 1 (1 is none), got "
+                      f"{p.typical_p:g}")
     low, high = PENALTY_RANGE
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(p, name)

@@ -36,19 +36,21 @@ def cut(sequence: Sequence) -> tuple[str, list[tuple[int, dict]]]:
     """The generated text as OpenAI returns it (special tokens left out, as vLLM's
     ``skip_special_tokens`` does, and without a matched stop sequence) and the tokens in it,
     each with where it starts in that text. The text is built from the tokens' own pieces, so
-    a streamed answer and a whole one are the same text."""
+    a streamed answer and a whole one are the same text. No token that holds part of the cut
+    stop sequence is listed, so the tokens may end a few characters before the text does."""
     finish = sequence.finish
     stop_at = finish.get("stop_at") if finish["finish_reason"] == "stop_sequence" else None
     text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
     for token in sequence.tokens:
         piece, start = token["text"], engine_offset
         engine_offset += len(piece)
-        if stop_at is not None and start >= stop_at:
-            break                                   # the stop sequence and what follows
+        if stop_at is not None and engine_offset > stop_at:
+            # The token the stop sequence starts in: its text before the stop stays in the
+            # answer, the token itself leaves the log probabilities (it holds the stop).
+            text += piece[:max(0, stop_at - start)]
+            break
         if token["special"]:
             continue
-        if stop_at is not None and engine_offset > stop_at:
-            piece = piece[:stop_at - start]        # the token the stop sequence starts in
         kept.append((len(text), token))
         text += piece
     return text, kept
@@ -162,7 +164,10 @@ class Held:
         it) is known. (The last token is never released before: it may hold the whole stop
         sequence, a one-character one for instance.)"""
         self.take(last)
-        ready = [(start, t) for start, t in self.pending if start < len(final)]
+        # A token that reaches past the end of the final text holds (part of) a cut stop
+        # sequence: it is not handed out, as in ``cut``.
+        ready = [(start, t) for start, t in self.pending
+                 if start + len(t["text"]) <= len(final)]
         self.pending = []
         return self._release(len(final), final), ready
 

@@ -37,9 +37,9 @@ async def read_json(request) -> Any:
 
 
 def check_call(call: Call, engine, prefix: str = "") -> Call:
-    """The checks every protocol shares once its body is parsed: number ranges the sampler can
-    compute with, token ids of ``logit_bias`` inside the vocabulary, rows per request."""
-    guards.check_ranges(call.params, prefix, vocab_size=len(engine.tokenizer))
+    """The check every protocol shares once its body is parsed and its ranges checked
+    (``guards.check_ranges``, from the protocol's parser; the engine checks what depends on
+    the model, such as ``logit_bias``'s token ids): rows per request."""
     guards.check_rows(max(1, len(call.prompts)), call.n, call.best_of)
     return call
 
