@@ -1,6 +1,6 @@
 """Run every benchmark of the course, then write one summary of their headline figures.
 
-    python -m benchmarks.run_all            # what `make bench` runs (about 6 minutes on 2 CPU cores)
+    python -m benchmarks.run_all            # what `make bench` runs (about 10 minutes on 2 CPU cores)
     python -m benchmarks.run_all --quick    # each benchmark's smoke run, into a scratch folder
     python -m benchmarks.run_all --summary  # only rewrite the summary from the JSON files there
 
