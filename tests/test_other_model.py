@@ -18,22 +18,28 @@ from nbclient import NotebookClient
 LESSONS = pathlib.Path(__file__).resolve().parents[1] / "lessons"
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
-    """A folder holding a tiny random GPT-2 and the bundled tokenizer."""
+def save_tiny_gpt2(folder, extra_tokens=()):
+    """A tiny random GPT-2 and the bundled tokenizer (with ``extra_tokens`` added) in ``folder``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from helpers import load_tokenizer
 
     tokenizer = load_tokenizer()
+    if extra_tokens:
+        tokenizer.add_tokens(list(extra_tokens))
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2,
                         n_positions=256, bos_token_id=tokenizer.eos_token_id,
                         eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("models") / "tiny-gpt2"
     GPT2LMHeadModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A folder holding a tiny random GPT-2 and the bundled tokenizer."""
+    return save_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2")
 
 
 def run_lesson(name: str, model_folder, monkeypatch) -> dict[str, str]:
@@ -95,20 +101,8 @@ def test_lesson_07_serves_the_base_model_only(tiny_gpt2, monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_gpt2_other_tokenizer(tmp_path_factory):
     """A tiny random GPT-2 whose tokenizer is the bundled one plus a token: not the draft's."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from helpers import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    tokenizer.add_tokens(["<extra>"])
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2,
-                        n_positions=256, bos_token_id=tokenizer.eos_token_id,
-                        eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("models") / "tiny-gpt2-other-tokenizer"
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2-other-tokenizer",
+                          extra_tokens=["<extra>"])
 
 
 def test_lesson_09_runs_prompt_lookup_without_the_draft(tiny_gpt2_other_tokenizer, monkeypatch):

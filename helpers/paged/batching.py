@@ -161,7 +161,7 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
     """
     if len(batch) == 0:
         raise ValueError("the batch is empty: there is nothing to generate")
-    _check_prefill_budget(max_prefill_tokens)
+    check_prefill_budget(max_prefill_tokens)
     # 1. Which rows feed how many tokens: their pending tokens, prompt tokens within the budget.
     rows, new_counts = _tokens_to_feed(batch, max_prefill_tokens)
     # 2. Room in the pool for the new tokens, and the pool indices they are written to.
@@ -297,7 +297,7 @@ def generate_paged(model, tokenizer, requests: list[Request], batch_size: int = 
     """
     _check_requests(requests, tokenizer, model)
     _check_batch_size(batch_size)
-    _check_prefill_budget(max_prefill_tokens)
+    check_prefill_budget(max_prefill_tokens)
     adapters = _check_adapters(adapters, lora, len(requests))
     cache = _cache_for(model, tokenizer, requests, batch_size, cache, num_blocks, block_size,
                        prefix_caching)
@@ -409,7 +409,8 @@ def _adapters(lora, rows):
     return lora.rows(rows) if lora is not None else contextlib.nullcontext()
 
 
-def _check_prefill_budget(max_prefill_tokens) -> None:
+def check_prefill_budget(max_prefill_tokens) -> None:
+    """``max_prefill_tokens`` is a positive integer or None (no cap): ValueError otherwise."""
     if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
                                            not isinstance(max_prefill_tokens, int) or
                                            max_prefill_tokens < 1):

@@ -15,10 +15,6 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import InvalidRequest, TooLarge
 
-#: Characters of message text accepted per token of the server's prompt limit. No tokenizer
-#: packs more than a few characters into a token of ordinary text; the bound lets a huge chat
-#: be refused before it is rendered and tokenized.
-CHARS_PER_TOKEN = 32
 #: What each message costs beside its text, counted in characters: a template writes a role
 #: and separators for every message, so many empty messages are not free.
 CHARS_PER_MESSAGE = 16
@@ -52,9 +48,10 @@ def _adds_bos(tokenizer) -> bool:
 
 async def prompt(engine, messages: list[dict]) -> str:
     """The prompt for ``messages`` on ``engine``'s model (rendered in a worker thread)."""
+    # The engine's own bound on a prompt's characters (its longest token, twice, per token of
+    # --max-input-tokens): a chat that cannot fit is refused before it is rendered.
     size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in messages)
-    limit = CHARS_PER_TOKEN * engine.max_input_tokens
-    if size > limit:
+    if size > engine.max_prompt_chars:
         raise TooLarge(f"the {len(messages)} messages count as {size} characters "
                        f"({CHARS_PER_MESSAGE} per message for its role and separators); this "
                        f"server reads prompts of at most {engine.max_input_tokens} tokens")

@@ -31,9 +31,8 @@ import torch
 
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
                      merge_paged_batches, paged_next_token)
-from ..paged.batching import paged_batch_from_token_ids
-from . import sampling
-from .engine import Engine, PromptEvent, _Row
+from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
+from .engine import Engine, _Row
 
 
 class PagedEngine(Engine):
@@ -55,11 +54,7 @@ class PagedEngine(Engine):
         super().__init__(model, tokenizer, **options)
         if num_blocks is None:
             num_blocks = self.max_batch_size * math.ceil(self.max_total_tokens / block_size)
-        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
-                                               not isinstance(max_prefill_tokens, int) or
-                                               max_prefill_tokens < 1):
-            raise ValueError(f"max_prefill_tokens must be a positive integer or None, "
-                             f"got {max_prefill_tokens!r}")
+        check_prefill_budget(max_prefill_tokens)
         self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching)
         self.max_prefill_tokens = max_prefill_tokens
         self._batch = PagedBatch.empty()    # rows that have read their prompts
@@ -124,10 +119,7 @@ class PagedEngine(Engine):
         if lora.names:
             lora.set_rows([adapter])
         ids = torch.tensor([row.prompt_ids], device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0]
-        tokens = sampling.prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
-                                          row.params.alternatives)
-        outgoing.append((row.handle, PromptEvent(tokens)))
+        self._score_prompt(row, self.model(input_ids=ids, use_cache=False).logits[0], outgoing)
 
     def _generate(self, batch: PagedBatch, kind: str, max_prefill_tokens: int | None) -> None:
         """Lesson 08's ``paged_next_token`` with the rows' adapters and ``Engine``'s chooser;
