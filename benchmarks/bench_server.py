@@ -529,6 +529,8 @@ def parse_args(argv=None):
                         help="server slots (default: the server's own default)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the servers "
                         "and the bare loop (default 1, as the other benchmarks)")
+    parser.add_argument("--engine", choices=("process", "thread"), default=None,
+                        help="where our server runs its model (default: the server's default)")
     parser.add_argument("--probes", type=int, default=None,
                         help="single-token probes per concurrent run (10)")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
@@ -560,7 +562,7 @@ def main(argv=None):
     model, tokenizer = load_model(args.model, device=args.device)
     jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
     print("starting the servers ...", flush=True)
-    options = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}
+    options = {"max_batch_size": args.max_batch_size, "engine": args.engine}
     ours = serve_in_background(args.model, name="bench-server", threads=args.threads,
                                device=args.device, wait=False, **options)
     # Their server starts now, while ours does (each takes seconds to import and load), and

@@ -6,7 +6,8 @@ import inspect
 import pytest
 
 from helpers.server import options, serve_in_background
-from helpers.server.__main__ import build_parser, torch_threads
+from helpers.server.__main__ import build_parser
+from helpers.server.engine_process import torch_threads
 from helpers.server.engine import Engine
 
 #: The flags that are plumbing between serve_in_background and the process, not options.

@@ -140,6 +140,7 @@ def test_health_and_info(server):
     assert info["max_batch_size"] == 8 and info["max_total_tokens"] == 256
     assert info["max_best_of"] == 4 and info["max_stop_sequences"] == 4
     assert set(ADAPTERS) <= set(info["adapters_available"])
+    assert info["engine"] == "process"          # the default: the model in its own process
 
 
 def test_generate_equals_sequential(server, reference):

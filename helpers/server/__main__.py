@@ -38,20 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def torch_threads(requested: int | None, device) -> int | None:
-    """The torch threads to use: ``requested`` if given; on the CPU every core but one (at
-    least one), because this process also runs the HTTP side (its event loop needs the
-    interpreter between the model's steps) and the clients are often on the same machine: a
-    model step that takes every core makes each of them wait. None (torch's choice) on a GPU."""
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--threads must be at least 1, got {requested}")
-        return requested
-    if str(device).startswith("cpu"):
-        return max(1, (os.cpu_count() or 1) - 1)
-    return None
-
-
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -101,27 +87,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
-    import torch
     import uvicorn
 
     from ..lora import ADAPTERS_DIR
-    from ..models import load_model
     from . import guards
     from .app import create_app
-    from .engine import Engine
-    from .paged_engine import PagedEngine
+    from .engine_process import EngineProcess, build_engine
 
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    settings = {name: getattr(args, name) for name in
+                ("model", "device", "dtype", "threads", "kv_cache", "log_level",
+                 *options.ENGINE_OPTIONS)}
+    settings["adapters_dir"] = args.adapters if args.adapters is not None else ADAPTERS_DIR
+    settings["model_id"] = args.model or os.environ.get("COURSE_MODEL") or "bundled"
     try:
-        threads = torch_threads(args.threads, model.device)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        engine_class = PagedEngine if args.kv_cache == "paged" else Engine
-        engine = engine_class(
-            model, tokenizer,
-            adapters_dir=args.adapters if args.adapters is not None else ADAPTERS_DIR,
-            **{name: getattr(args, name) for name in options.ENGINE_OPTIONS},
-            model_id=args.model or os.environ.get("COURSE_MODEL") or "bundled")
+        engine = EngineProcess(settings) if args.engine == "process" else build_engine(settings)
     except ValueError as err:
         parser.error(str(err))
     app = create_app(engine)

@@ -160,8 +160,10 @@ def add_state_routes(app: FastAPI, engine: Engine) -> None:
                                  "error_type": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
+    # /info and /metrics are plain functions: FastAPI runs them in a worker thread, so that
+    # asking an engine in another process (engine_process.py) never holds up the event loop.
     @app.get("/info")
-    async def info():
+    def info():
         from .. import server
 
         # The limits the routes enforce are the routes' to report.
@@ -170,7 +172,7 @@ def add_state_routes(app: FastAPI, engine: Engine) -> None:
                 "server": SERVER_NAME}
 
     @app.get("/metrics")
-    async def prometheus():
+    def prometheus():
         if getattr(engine, "metrics", None) is None:
             lines = [f"helpers_server_{key} {value:g}"
                      for key, value in sorted(engine.snapshot().items())]

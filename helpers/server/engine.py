@@ -24,8 +24,10 @@ Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the
 changes when answers come, not what they are. ``helpers.server.paged_engine`` runs the same
 engine on lesson 08's paged KV cache.
 
-Errors are the engine's own (``helpers.server.errors``); the HTTP side turns them into status
-codes. A row whose token cannot be chosen (NaN logits from extreme settings, a failing
+The server runs the engine in a process of its own by default (``engine_process.py``: the
+scheduler then never waits for the HTTP side's thread to give back Python's lock); the engine
+is the same either way. Errors are the engine's own (``helpers.server.errors``); the HTTP side
+turns them into status codes. A row whose token cannot be chosen (NaN logits from extreme settings, a failing
 grammar) fails alone: the other rows of the batch carry on.
 """
 
@@ -125,6 +127,20 @@ def _deliver(items) -> None:
     """Runs in the event loop's thread: put each event on its request's queue."""
     for queue, tag, event in items:
         queue.put_nowait((tag, event))
+
+
+def send_events(outgoing: list[tuple[Handle, object]]) -> None:
+    """Hand events to their requests' event loops: one call per loop for all of them (each
+    call wakes that loop's thread once). Called by the scheduler after each step, and by
+    ``EngineProcess`` for the events that come from its engine's process."""
+    by_loop = defaultdict(list)
+    for handle, event in outgoing:
+        by_loop[handle.loop].append((handle.queue, handle.tag, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:          # that event loop is closed: nobody is listening
+            pass
 
 
 # --- one row of the running batch -----------------------------------------------------------
@@ -611,7 +627,7 @@ class Engine:
                     del self._rows[row.handle.id]
                     self.stats["finished"] += 1
         finally:   # even if a row failed: the rows that finished must hear so
-            self._send(outgoing)
+            send_events(outgoing)
 
     def _row_failed(self, row: _Row) -> ErrorEvent:
         err = row.error
@@ -680,17 +696,6 @@ class Engine:
 
     # --- delivery and failures ----------------------------------------------------------------
 
-    def _send(self, outgoing: list[tuple[Handle, object]]) -> None:
-        """Hand events to their event loops: one call per loop for the whole step."""
-        by_loop = defaultdict(list)
-        for handle, event in outgoing:
-            by_loop[handle.loop].append((handle.queue, handle.tag, event))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:          # that event loop is closed: nobody is listening
-                pass
-
     def _fail_rows(self, message: str) -> None:
         outgoing = [(row.handle, ErrorEvent(message)) for row in self._rows.values()]
         for row in self._rows.values():
@@ -698,14 +703,14 @@ class Engine:
         self._rows.clear()
         self._batch = Batch.empty()
         self.stats["failed"] += len(outgoing)
-        self._send(outgoing)
+        send_events(outgoing)
 
     def _shutdown(self) -> None:
         with self._cond:
             waiting = list(self._waiting)
             self._waiting.clear()
         message = "the server is shutting down"
-        self._send([(h, ErrorEvent(message, status=503)) for h in waiting if not h.cancelled])
+        send_events([(h, ErrorEvent(message, status=503)) for h in waiting if not h.cancelled])
         self._fail_rows(message)
 
     # --- description ----------------------------------------------------------------------
@@ -730,6 +735,7 @@ class Engine:
             "adapters_loaded": self.adapters.loaded,
             "json_mode": Grammars.available(),
             "kv_cache": self.kv_cache,
+            "engine": "thread",             # EngineProcess says "process"
         }
 
 

@@ -56,6 +56,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache", str, "contiguous", "the KV cache: 'contiguous' (one tensor per layer, "
            "lessons 03 and 07) or 'paged' (blocks, prefix caching and chunked prefill, "
            "lesson 08)", choices=("contiguous", "paged")),
+    Option("engine", str, "process", "where the model runs: 'process' (a process of its own, "
+           "so that the HTTP side never holds up a step) or 'thread' (a thread of the server's "
+           "process: simpler to debug, slower)", choices=("process", "thread")),
     Option("device", str, None, "cpu, cuda, ... (default: CUDA if there is a GPU)"),
     Option("dtype", str, None, "float32 (the default), float16, bfloat16 or auto"),
     Option("threads", int, None, "torch CPU threads (default: on the CPU, every core but one, "

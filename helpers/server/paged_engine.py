@@ -32,7 +32,7 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
-from .engine import Engine, _Row
+from .engine import Engine, _Row, send_events
 
 
 class PagedEngine(Engine):
@@ -112,7 +112,7 @@ class PagedEngine(Engine):
             row = self._rows[rid]
             if row.params.prompt_logprobs:
                 self._guarded(row, self._score_alone, row, adapter, outgoing)
-        self._send(outgoing)
+        send_events(outgoing)
 
     def _score_alone(self, row: _Row, adapter: str | None, outgoing: list) -> None:
         lora = self.adapters.lora

@@ -293,20 +293,21 @@ async def chat_stream(run: Run, call: Call, meta: dict):
 
 
 # --- models ---------------------------------------------------------------------------------
+# Plain functions (run in a worker thread): the adapters may be asked of the engine's process.
 
 def model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "course"}
 
 
 @router.get("/v1/models")
-async def models(request: Request):
+def models(request: Request):
     engine = request.app.state.engine
     names = [engine.model_id] + engine.adapters.available()
     return {"object": "list", "data": [model_card(name) for name in names]}
 
 
 @router.get("/v1/models/{name:path}")
-async def model(request: Request, name: str):
+def model(request: Request, name: str):
     engine = request.app.state.engine
     adapter = adapter_of(name, engine.model_id)
     if adapter is None:                # the base model, under any of its names

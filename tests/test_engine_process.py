@@ -1,0 +1,174 @@
+"""The engine in a process of its own (``helpers.server.engine_process``): the same answers as
+the engine in a thread, its errors carried across, nothing left behind in the engine process,
+and a clear failure when that process dies.
+
+The server (``python -m helpers.server``) runs this way by default, so ``test_server.py``,
+``test_clients.py``, ``test_hardening.py`` and ``test_attacks.py`` test it through HTTP too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import pytest
+
+from helpers.lora import ADAPTERS_DIR
+from helpers.server.engine import ErrorEvent, PromptEvent, TokenEvent
+from helpers.server.engine_process import EngineProcess
+from helpers.server.errors import InvalidRequest, NotFound, Unavailable
+from helpers.server.options import DEFAULTS, ENGINE_OPTIONS
+from helpers.server.protocol import GenerationParams
+
+from .conftest import COURSE_PROMPTS
+from .test_engine import _last, expected_ids, run, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # see tests/conftest.py
+
+
+def settings(**changes) -> dict:
+    values = {name: DEFAULTS[name] for name in ENGINE_OPTIONS}
+    values.update(model=None, device="cpu", dtype=None, threads=1, kv_cache="contiguous",
+                  log_level="warning", adapters_dir=ADAPTERS_DIR, model_id="bundled",
+                  max_batch_size=4, max_queue=16)
+    values.update(changes)
+    return values
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = EngineProcess(settings())
+    yield engine
+    engine.stop()
+    assert not engine._process.is_alive()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from helpers import load_model
+
+    return load_model(device="cpu")
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_greedy_answers_are_the_threads_engines(engine, reference):
+    requests = [(p, GenerationParams(max_new_tokens=n))
+                for p, n in zip(COURSE_PROMPTS, [3, 9, 17, 5, 12])]
+    for (prompt, params), events in zip(requests, run(engine, requests)):
+        assert tokens_of(events) == expected_ids(reference, prompt, params.max_new_tokens)
+        assert events[-1].finish["prompt_tokens"] == len(reference[1](prompt)["input_ids"])
+
+
+def test_scores_samples_and_biases_cross_the_process(engine, reference):
+    """Prompt log probabilities, seeded sampling and logit_bias: the engine process gives what
+    the engine in this process gives."""
+    from helpers.server.engine import Engine
+
+    model, tokenizer = reference
+    here = Engine(model, tokenizer, adapters_dir=ADAPTERS_DIR, max_batch_size=4).start()
+    requests = [
+        ("Jack and Jill", GenerationParams(max_new_tokens=3, prompt_logprobs=True)),
+        ("Humpty Dumpty sat", GenerationParams(max_new_tokens=8, do_sample=True, seed=7,
+                                               temperature=0.9, top_k=20)),
+        ("The rain in Spain", GenerationParams(max_new_tokens=4, logit_bias={262: 100.0})),
+    ]
+    try:
+        want = run(here, requests)
+    finally:
+        here.stop()
+    got = run(engine, requests)
+    assert isinstance(got[0][0], PromptEvent) and got[0][0].tokens[0]["logprob"] is None
+    assert got[0][0].tokens == want[0][0].tokens
+    for mine, theirs in zip(got, want):
+        assert tokens_of(mine) == tokens_of(theirs)
+    assert set(tokens_of(got[2])) == {262}
+
+
+def test_the_engines_errors_are_raised_here(engine):
+    with pytest.raises(InvalidRequest, match="max-total-tokens"):
+        engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=10_000))
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.prepare("", GenerationParams())
+    with pytest.raises(NotFound):
+        engine.prepare("Jack and Jill", GenerationParams(adapter_id="no-such-adapter"))
+    assert engine.healthy
+
+
+def test_a_nan_row_fails_alone_across_the_process(engine, reference):
+    broken = GenerationParams(max_new_tokens=5, do_sample=True, temperature=1e-40, seed=1)
+    good = GenerationParams(max_new_tokens=6)
+    results = run(engine, [("Jack and Jill", broken), (COURSE_PROMPTS[0], good)])
+    assert isinstance(results[0][-1], ErrorEvent) and "NaN" in results[0][-1].message
+    assert tokens_of(results[1]) == expected_ids(reference, COURSE_PROMPTS[0], 6)
+
+
+def test_prepared_requests_are_let_go(engine):
+    """The engine process keeps each prepared request (its grammar, its adapter) until the
+    HTTP side lets go of it, and not longer: nothing piles up."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}
+    requests = [("Jack and Jill", GenerationParams(max_new_tokens=30, grammar=("json", schema)))
+                for _ in range(3)] + [("Jack", GenerationParams(max_new_tokens=2))]
+    run(engine, requests)
+    unused = engine.prepare("Humpty Dumpty", GenerationParams(max_new_tokens=2))  # never sent
+    assert engine.snapshot()["prepared_held"] >= 1
+    del unused
+    gc.collect()
+    engine.snapshot()          # the next message tells the engine process what was let go
+    assert engine.snapshot()["prepared_held"] == 0
+
+
+def test_cancel_reaches_the_engine_process(engine):
+    before = engine.snapshot().get("cancelled", 0)
+
+    async def main():
+        queue = asyncio.Queue()
+        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=200,
+                                                                    ignore_eos_token=True))
+        handle = engine.submit(prepared, asyncio.get_running_loop(), queue)
+        await queue.get()                  # it is running
+        engine.cancel(handle)
+        return handle
+
+    handle = asyncio.run(main())
+    assert wait_for(lambda: engine.snapshot().get("cancelled", 0) == before + 1)
+    assert wait_for(lambda: engine.snapshot()["running"] == 0)
+    assert handle.cancelled and not handle.finished
+    assert not engine._handles             # nothing is kept for it on either side
+    assert engine._call("call", "snapshot")["running"] == 0
+
+
+def test_a_dead_engine_process_fails_its_requests_and_says_so():
+    engine = EngineProcess(settings())
+    events = []
+
+    async def main():
+        queue = asyncio.Queue()
+        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=250,
+                                                                    ignore_eos_token=True))
+        engine.submit(prepared, asyncio.get_running_loop(), queue)
+        events.append((await queue.get())[1])
+        engine._process.kill()                       # the engine process dies mid-answer
+        while not _last(events[-1]):
+            events.append((await asyncio.wait_for(queue.get(), 30))[1])
+
+    try:
+        asyncio.run(main())
+        assert isinstance(events[0], TokenEvent)
+        assert isinstance(events[-1], ErrorEvent) and events[-1].status == 503
+        assert wait_for(lambda: not engine.healthy)
+        with pytest.raises(Unavailable, match="engine process"):
+            engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=2))
+    finally:
+        engine.stop()
+
+
+def test_options_the_engine_refuses_are_a_value_error():
+    with pytest.raises(ValueError, match="max_input_tokens .* must be smaller"):
+        EngineProcess(settings(max_input_tokens=200, max_total_tokens=100))
