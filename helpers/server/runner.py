@@ -6,7 +6,7 @@ A route (``routes_lorax.py``, ``routes_openai.py``) only translates: its protoco
 protocol's answer. Everything between is here, once:
 
     call = parse(await read_json(request))       # the route's parser; ApiError if wrong
-    run = await Run.start(engine, call)          # engine.prepare (worker thread) + submit
+    run = await Run.start(engine, call)          # engine.prepare + submit (worker thread)
     sequences = await run.collect(request)       # non-streaming: every sequence, finished
     async for sequence, event in run.events():   # streaming: events as they come
     run.close()                                  # cancels what is unfinished (always called)
@@ -116,27 +116,41 @@ class Run:
 
     @classmethod
     async def start(cls, engine, call: Call, prompts: list | None = None) -> "Run":
-        """Prepare each prompt (in a worker thread: tokenizing, loading an adapter and
-        compiling a grammar may take a while) and submit ``call.best_of`` copies of each."""
+        """Prepare each prompt and submit ``call.best_of`` copies of each, in a worker thread:
+        preparing may take a while (tokenizing, loading an adapter, compiling a grammar), and
+        an engine in another process (``engine_process.py``) answers each call over a pipe.
+        If the client goes away meanwhile, what was submitted is cancelled once the thread is
+        done."""
         run = cls(engine, call)
         prompts = call.prompts if prompts is None else prompts
-        prepared = [await run_in_threadpool(engine.prepare, prompt, call.params)
-                    for prompt in prompts]
         loop = asyncio.get_running_loop()
+        work = asyncio.ensure_future(run_in_threadpool(run._prepare_and_submit, prompts, loop))
         try:
-            for index, first in enumerate(prepared):
-                for number in range(call.best_of):
-                    item = first
-                    if number and first.seed is not None:      # each copy its own draw
-                        item = _copy_with_seed(first, (first.seed + number) % 2**64)
-                    tag = len(run.sequences)
-                    handle = engine.submit(item, loop, run.queue, tag)
-                    run.handles.append(handle)
-                    run.sequences.append(Sequence(index, number, handle))
+            await asyncio.shield(work)
         except BaseException:
-            run.close()
+            work.add_done_callback(run._close_after)
             raise
         return run
+
+    def _prepare_and_submit(self, prompts: list, loop) -> None:
+        """In a worker thread: every prompt prepared first (a bad one refuses the request
+        before anything runs), then the copies submitted, each copy with its own seed."""
+        prepared = [self.engine.prepare(prompt, self.call.params) for prompt in prompts]
+        for index, first in enumerate(prepared):
+            for number in range(self.call.best_of):
+                item = first
+                if number and first.seed is not None:          # each copy its own draw
+                    item = _copy_with_seed(first, (first.seed + number) % 2**64)
+                handle = self.engine.submit(item, loop, self.queue, len(self.sequences))
+                self.handles.append(handle)
+                self.sequences.append(Sequence(index, number, handle))
+
+    def _close_after(self, work) -> None:
+        """``work`` (the submitting thread's future) is done, and nobody waits for its
+        requests: cancel them (and read its error, so that asyncio does not report it)."""
+        if not work.cancelled():
+            work.exception()
+        self.close()
 
     def close(self) -> None:
         """Cancel every request of this run that has not finished (the client went away, or
