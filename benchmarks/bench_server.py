@@ -1,6 +1,6 @@
 """Benchmark of lesson 07: the server under concurrent streaming clients.
 
-    python -m benchmarks.bench_server            # full run (about a minute on a 2-core CPU)
+    python -m benchmarks.bench_server            # full run (about two minutes on a 2-core CPU)
     python -m benchmarks.bench_server --quick    # one repetition, fewer levels (< 1 minute)
 
 (from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
@@ -83,6 +83,8 @@ SWEEP_LEVELS = (1, 4, 16, 64)
 COMPARE_LEVELS = (1, 16, 64)
 #: The number of clients at which ours is held to TARGETS["transformers"].
 COMPARE_TARGET_CLIENTS = 16
+#: How the markdown says where the server ran its model (/info's "engine").
+ENGINE_WORDS = {"process": "a process of its own", "thread": "a thread of the HTTP process"}
 QUICK = {"levels": [1, 16], "compare_levels": [1, 16], "new_tokens": 32, "probes": 3}
 
 
@@ -403,7 +405,8 @@ def markdown(result):
     lines = [
         "# Server benchmark (lesson 07)", "",
         f"Model: `{result['model']}`; {result['machine']}; server: its default flags, "
-        f"{result['threads']} torch thread(s) (max batch size {result['max_batch_size']}); run "
+        f"{result['threads']} torch thread(s) (max batch size {result['max_batch_size']}, the "
+        f"model in {ENGINE_WORDS.get(result.get('engine'), 'a process or thread')}); run "
         f"on {result['date']}; load average before the run {numbers(result['load_average'])}, "
         f"after it {numbers(result['load_average_after'])}.", "",
         "## 16 requests: one after another, all at once, and the bare decode loop", "",
@@ -511,7 +514,7 @@ def levels_argument(text):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (< 1 minute): 1 repetition of each part instead of 3 "
+                        help="a smoke run (< 1 minute): 1 repetition of each part instead of 5 "
                              "(16-request runs, side by side) and 5 (sweep), levels 1 and 16, "
                              f"{QUICK['new_tokens']} new tokens, {QUICK['probes']} probes")
     parser.add_argument("--reps", type=int, default=None,
@@ -543,7 +546,9 @@ def parse_args(argv=None):
     for key, value in (QUICK if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.reps = args.reps or (1 if args.quick else 3)
+    # Five: each turn is short (a second or less), so a slow moment of this shared machine
+    # moves one turn's figure by 20 % or more; the median of five keeps one such turn out.
+    args.reps = args.reps or (1 if args.quick else 5)
     args.sweep_reps = args.sweep_reps or (1 if args.quick else 5)
     if min(args.reps, args.sweep_reps, args.clients, args.new_tokens) < 1:
         parser.error("--reps, --sweep-reps, --clients and --new-tokens must be at least 1")
@@ -575,7 +580,8 @@ def main(argv=None):
         stack.callback(theirs.__exit__)       # stopped even if our part fails
         with contextlib.suppress(RuntimeError, OSError):
             theirs.wait()                     # loaded and idle before anything is timed
-        result["max_batch_size"] = httpx.get(url + "/info", timeout=10).json()["max_batch_size"]
+        info = httpx.get(url + "/info", timeout=10).json()
+        result["max_batch_size"], result["engine"] = info["max_batch_size"], info["engine"]
         asyncio.run(one_after_another(url, jobs[:2]))        # warm-up
         bare_loop(model, tokenizer, jobs[:2])
         seen = one_by_one_and_at_once(url, jobs, args.reps, args.probes,
