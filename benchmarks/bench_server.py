@@ -25,6 +25,8 @@ a warm-up request:
    (``init_batch``, then ``generate_next_token`` until done) on batch 1, in this process: no
    server, no HTTP. Run 1 / run 3 is what the server keeps of the model's speed at one
    client (target >= 70%).
+   The three take turns (3, 1, 2 in each turn); each ratio (2 / 1, 1 / 3) is the median of the
+   ratios within each turn.
 4. probes: while a concurrent run streams, single-token requests sent one after another
    measure the TTFT of a request that joins a busy batch (it waits for the current step, then
    its prefill is merged in).
@@ -319,9 +321,12 @@ def one_by_one_and_at_once(url, jobs, reps, probes, bare):
         seen["texts"]["bare_loop"] = bare(jobs)
         seen["tokens"]["bare_loop"].append(sum(n for _, n in jobs))
 
+    # In each turn the one-after-another run sits between the two runs it is compared with,
+    # and each ratio is taken within a turn (see summarise): this machine's speed drifts
+    # over seconds, and a drift then moves both sides of a ratio alike.
     seen["timings"] = time_in_turns(
-        {"one_after_another": Candidate(sequential, clock=float),
-         "concurrent": Candidate(concurrent, clock=float), "bare_loop": bare_run},
+        {"bare_loop": bare_run, "one_after_another": Candidate(sequential, clock=float),
+         "concurrent": Candidate(concurrent, clock=float)},
         repeats=reps, warmup=0, progress=f"{len(jobs)} requests,")
     return seen
 
@@ -418,10 +423,11 @@ def markdown(result):
                          "TTFT p95 (ms)"], rows),
         "",
         f"- concurrent vs one after another: **{result['speedup']:.2f}x** the tokens/s "
-        f"(per repetition {min(result['speedup_per_run']):.2f}-"
+        f"(the median of the repetitions' ratios, which ranged "
+        f"{min(result['speedup_per_run']):.2f}-"
         f"{max(result['speedup_per_run']):.2f}; target >= {TARGETS['speedup']}x).",
         f"- one client (one after another) vs the bare decode loop: "
-        f"**{single['server_over_bare_loop']:.0%}** of its tokens/s (per repetition "
+        f"**{single['server_over_bare_loop']:.0%}** of its tokens/s (median; per repetition "
         f"{min(single['per_run']):.0%}-{max(single['per_run']):.0%}; target >= "
         f"{TARGETS['single_client']:.0%}).",
         f"- TTFT of a request that joins the busy batch (single-token probes sent while the "
@@ -649,15 +655,16 @@ def summarise(seen) -> dict:
     bare = tokens_per_second(seen, "bare_loop")
     probes = seen["probes"]
     texts = seen["texts"]
+    # Each ratio: the median of the ratios within each turn (the two runs of a ratio are
+    # back to back there), not the ratio of medians taken from different moments.
+    speedups = [c / s for c, s in zip(rates(seen, "concurrent"), rates(seen, "one_after_another"))]
+    singles = [s / b for s, b in zip(rates(seen, "one_after_another"), rates(seen, "bare_loop"))]
     return {
         "one_after_another": seq, "concurrent": con, "bare_loop": bare,
-        "speedup": con["tokens_per_second"] / seq["tokens_per_second"],
-        "speedup_per_run": [round(c / s, 2) for c, s in zip(rates(seen, "concurrent"),
-                                                           rates(seen, "one_after_another"))],
-        "single_client": {
-            "server_over_bare_loop": seq["tokens_per_second"] / bare["tokens_per_second"],
-            "per_run": [round(s / b, 3) for s, b in zip(rates(seen, "one_after_another"),
-                                                        rates(seen, "bare_loop"))]},
+        "speedup": statistics.median(speedups),
+        "speedup_per_run": [round(x, 2) for x in speedups],
+        "single_client": {"server_over_bare_loop": statistics.median(singles),
+                          "per_run": [round(x, 3) for x in singles]},
         "ttft_seconds": {"idle": summary(seen["ttft_idle"]),
                          "under_load": summary(seen["ttft_load"]),
                          "probe_under_load": summary(probes) if probes else
