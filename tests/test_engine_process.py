@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,6 +123,17 @@ def test_prepared_requests_are_let_go(engine):
     gc.collect()
     engine.snapshot()          # the next message tells the engine process what was let go
     assert engine.snapshot()["prepared_held"] == 0
+    # What the runner does: release after submitting, with no garbage collection needed.
+    gc.disable()
+    try:
+        kept = [engine.prepare("Jack", GenerationParams(max_new_tokens=2)) for _ in range(3)]
+        assert engine.snapshot()["prepared_held"] == 3
+        for prepared in kept:
+            engine.release(prepared)
+            engine.release(prepared)                    # twice is harmless
+        assert engine.snapshot()["prepared_held"] == 0
+    finally:
+        gc.enable()
 
 
 def test_cancel_reaches_the_engine_process(engine):
@@ -165,6 +177,66 @@ def test_a_dead_engine_process_fails_its_requests_and_says_so():
         assert wait_for(lambda: not engine.healthy)
         with pytest.raises(Unavailable, match="engine process"):
             engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=2))
+    finally:
+        engine.stop()
+
+
+def test_a_hung_engine_process_gets_503s_and_late_answers_are_undone(monkeypatch):
+    """A stopped (hung) engine process: questions and submissions give up after their
+    deadline with Unavailable, /health fails after SILENCE seconds without a word, and a
+    submission whose answer comes too late is cancelled once it comes."""
+    import os
+    import signal
+
+    from helpers.server import engine_process
+
+    monkeypatch.setattr(engine_process, "ANSWER_SECONDS",
+                        {"call": 1.0, "submit": 1.0, "prepare": 5.0})
+    monkeypatch.setattr(engine_process, "SILENCE", 3.0)
+    engine = EngineProcess(settings())
+    pid = engine._process.pid
+    try:
+        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=200,
+                                                                    ignore_eos_token=True))
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(Unavailable, match="did not answer within 1 s"):
+            engine.snapshot()
+        nobody = SimpleNamespace(call_soon_threadsafe=lambda *args: None)   # no event loop
+        with pytest.raises(Unavailable, match="did not answer"):
+            engine.submit(prepared, nobody, None)
+        assert wait_for(lambda: not engine.healthy, timeout=10)
+        os.kill(pid, signal.SIGCONT)
+        assert wait_for(lambda: engine.healthy, timeout=10)
+        # The late submission ran, and was cancelled as soon as its answer came.
+        assert wait_for(lambda: engine.snapshot().get("cancelled", 0) == 1)
+        assert engine.snapshot()["running"] == 0 and not engine._handles
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.stop()
+
+
+def test_metrics_still_answer_when_the_engine_process_is_gone():
+    import httpx
+
+    from helpers.server import create_app
+
+    engine = EngineProcess(settings())
+    app = create_app(engine, manage_engine=False)
+
+    async def get(path):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return await c.get(path)
+
+    try:
+        assert "helpers_server_up 1" in asyncio.run(get("/metrics")).text
+        engine._process.kill()
+        assert wait_for(lambda: not engine.healthy)
+        page = asyncio.run(get("/metrics"))
+        assert page.status_code == 200
+        assert "helpers_server_up 0" in page.text and "helpers_server_running" not in page.text
+        assert "helpers_server_responses" in page.text      # the HTTP side's own figures
+        assert asyncio.run(get("/health")).status_code == 503
     finally:
         engine.stop()
 

@@ -143,6 +143,29 @@ def test_health_and_info(server):
     assert info["engine"] == "process"          # the default: the model in its own process
 
 
+def test_streams_that_hang_up_leave_nothing_in_the_engine(server):
+    """Clients that hang up mid-stream (LoRAX, and OpenAI with n=2 copies of 4 prompts): their
+    rows are cancelled, and the engine keeps none of their prepared requests (with the engine
+    in a process of its own, each is let go as soon as its copies are submitted, not when the
+    HTTP side's garbage collector happens to run)."""
+    lorax_body = {"inputs": "Jack and Jill", "parameters": {"max_new_tokens": 200,
+                                                            "ignore_eos_token": True}}
+    openai_body = {"prompt": COURSE_PROMPTS[:4], "max_tokens": 200, "n": 2, "stream": True,
+                   "ignore_eos_token": True}
+    with httpx.Client(timeout=30) as client:
+        for path, body in [("/generate_stream", lorax_body)] * 4 + [
+                ("/v1/completions", openai_body)] * 2:
+            with client.stream("POST", server + path, json=body) as reply:
+                assert reply.status_code == 200
+                next(reply.iter_lines())           # one event, then hang up
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metrics(server)["running"] > 0:
+        time.sleep(0.05)
+    figures = metrics(server)
+    assert figures["running"] == 0 and figures["prepared_held"] == 0
+    assert figures["up"] == 1
+
+
 def test_generate_equals_sequential(server, reference):
     client = lorax.Client(server)
     for prompt in COURSE_PROMPTS:

@@ -177,5 +177,8 @@ def add_state_routes(app: FastAPI, engine: Engine) -> None:
             lines = [f"helpers_server_{key} {value:g}"
                      for key, value in sorted(engine.snapshot().items())]
             return PlainTextResponse("\n".join(lines) + "\n")
-        return PlainTextResponse(engine.metrics.render(engine.snapshot()),
-                                 media_type=metrics.CONTENT_TYPE)
+        try:
+            snapshot = engine.snapshot()
+        except errors.Unavailable:        # the engine's process is gone: the rest still counts
+            snapshot = None
+        return PlainTextResponse(engine.metrics.render(snapshot), media_type=metrics.CONTENT_TYPE)

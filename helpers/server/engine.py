@@ -398,6 +398,10 @@ class Engine:
             self._cond.notify_all()
         return handle
 
+    def release(self, prepared: Prepared) -> None:
+        """The HTTP side will submit ``prepared`` no more. Nothing to do here, where it is an
+        ordinary object (``EngineProcess`` lets go of it in the engine's process)."""
+
     def cancel(self, handle: Handle) -> None:
         """Forget a request (its client went away): it leaves the batch before the next step,
         and its slot goes to the next waiting request."""

@@ -58,6 +58,14 @@ PREPARE_WORKERS = 8
 SWITCH_INTERVAL = 0.0005
 #: How long the HTTP process waits for the engine process to load the model.
 START_TIMEOUT = 600.0
+#: How long the HTTP side waits for an answer before it gives up with a 503: to a question
+#: ("call": its counters, its adapters), to a submission, and to a preparation (which may
+#: download an adapter or compile a grammar).
+ANSWER_SECONDS = {"call": 10.0, "submit": 30.0, "prepare": 300.0}
+#: The engine process says it is alive every HEARTBEAT seconds; after SILENCE seconds without
+#: a word from it, the HTTP side reports it unhealthy (a stopped or hung process).
+HEARTBEAT = 1.0
+SILENCE = 10.0
 
 
 def torch_threads(requested: int | None, device) -> int | None:
@@ -143,6 +151,12 @@ class _Outbox:
         self.side.send(("events", events))
 
 
+def _if_good(answer: tuple, then) -> None:
+    ok, value = answer
+    if ok:
+        then(value)
+
+
 def _ends(event) -> bool:
     """Whether ``event`` is the last one of its request."""
     return isinstance(event, ErrorEvent) or (isinstance(event, TokenEvent)
@@ -171,10 +185,14 @@ class _EngineSide:
                 pass
 
     def serve(self) -> None:
+        next_beat = 0.0
         try:
             while True:
-                if not self.conn.poll(1.0):
+                if time.monotonic() >= next_beat:   # on a clock, however busy the pipe is
                     self._check_health()
+                    self.send(("alive",))
+                    next_beat = time.monotonic() + HEARTBEAT
+                if not self.conn.poll(HEARTBEAT):
                     continue
                 message = self.conn.recv()
                 if message[0] == "stop":
@@ -199,8 +217,12 @@ class _EngineSide:
         elif command == "forget":
             for key in args[0]:
                 self.prepared.pop(key, None)
-        elif command == "call" and args[1] in _QUERIES:
-            self._answer(args[0], getattr(self, "_" + args[1]))
+        elif command == "call":
+            if args[1] in _QUERIES:
+                self._answer(args[0], getattr(self, "_" + args[1]))
+            else:
+                self.send(("answer", args[0], False, ("RuntimeError",
+                                                      f"unknown query {args[1]!r}")))
         else:
             log.error("unknown command from the HTTP process: %r", command)
 
@@ -302,6 +324,7 @@ class EngineProcess:
         self._call_ids = itertools.count()    # the commands that wait for an answer
         self._send_lock = threading.Lock()
         self._forgotten: deque[int] = deque()   # keys of prepared requests nobody holds
+        self._finalizers: dict[int, weakref.finalize] = {}   # by key, until let go
         self._failure: str | None = None
         self._stopping = False
 
@@ -314,6 +337,7 @@ class EngineProcess:
         limits = self._wait_ready(start_timeout)
         for name, value in limits.items():
             setattr(self, name, value)
+        self._heard = time.monotonic()        # when the engine process last said anything
         self._reader = threading.Thread(target=self._read, name="helpers.server events",
                                         daemon=True)
         self._reader.start()
@@ -344,7 +368,7 @@ class EngineProcess:
     def start(self) -> "EngineProcess":
         return self                          # the process started with the object
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         if not self._stopping:
             self._stopping = True
             try:
@@ -359,18 +383,27 @@ class EngineProcess:
 
     @property
     def healthy(self) -> bool:
-        return self._process.is_alive() and self._failure is None and not self._stopping
+        return (self._process.is_alive() and self._failure is None and not self._stopping
+                and time.monotonic() - self._heard < SILENCE)
 
     # --- what the HTTP side calls ------------------------------------------------------------
 
     def prepare(self, prompt, params) -> RemotePrepared:
         """``Engine.prepare``, done in the engine process. Blocks: call it from a worker
         thread."""
-        key, values = self._call("prepare", prompt, params)
+        key, values = self._call("prepare", prompt, params,
+                                 late=lambda answer: self._forget_now(answer[0]))
         prepared = RemotePrepared(grammar=None, key=key, **values)
-        # When the HTTP side lets go of it, so does the engine process (with the next message).
-        weakref.finalize(prepared, self._forgotten.append, key)
+        # ``release`` lets go of it in the engine process. Should that never be called, the
+        # engine process lets go when this copy is garbage (told with the next message).
+        self._finalizers[key] = weakref.finalize(prepared, self._forget_later, key)
         return prepared
+
+    def release(self, prepared: RemotePrepared) -> None:
+        """``prepared`` will be submitted no more: the engine process lets go of it now."""
+        finalizer = self._finalizers.pop(prepared.key, None)
+        if finalizer is not None and finalizer.detach() is not None:
+            self._forget_now(prepared.key)
 
     def submit(self, prepared: RemotePrepared, loop, queue, tag: int = 0) -> Handle:
         """``Engine.submit``: the events will go to ``queue``, an asyncio.Queue of ``loop``.
@@ -379,7 +412,8 @@ class EngineProcess:
         handle = Handle(number, prepared, loop, queue, tag)
         self._handles[number] = handle
         try:
-            self._call("submit", prepared.key, prepared.seed, number)
+            self._call("submit", prepared.key, prepared.seed, number,
+                       late=lambda _: self.cancel(handle))
         except BaseException:
             self._handles.pop(number, None)
             raise
@@ -404,6 +438,18 @@ class EngineProcess:
 
     # --- talking to the engine process -------------------------------------------------------
 
+    def _forget_later(self, key: int) -> None:
+        """A RemotePrepared became garbage (this may run in any thread, in the middle of
+        anything: it only takes note)."""
+        self._finalizers.pop(key, None)
+        self._forgotten.append(key)
+
+    def _forget_now(self, key: int) -> None:
+        try:
+            self._send(("forget", [key]))
+        except (OSError, ValueError):     # the engine process is gone, and what it kept
+            pass
+
     def _send(self, message) -> None:
         with self._send_lock:
             if self._forgotten:
@@ -411,25 +457,34 @@ class EngineProcess:
                 self._conn.send(("forget", keys))
             self._conn.send(message)
 
-    def _call(self, command: str, *args):
-        """Send a command and wait for its answer; raise the engine's error if it failed."""
+    def _call(self, command: str, *args, late=None):
+        """Send a command and wait for its answer, ``ANSWER_SECONDS[command]`` at most; raise
+        the engine's error if it failed, ``Unavailable`` if no answer came. ``late(value)``
+        runs if a good answer comes after that: it undoes what nobody waits for any more."""
+        stopped = errors.Unavailable("the server is not running (its engine process stopped)")
         if not self.healthy:
-            raise errors.Unavailable("the server is not running (its engine process stopped)")
+            raise stopped
         call = next(self._call_ids)
         future: Future = Future()
         self._calls[call] = future
+        deadline = time.monotonic() + ANSWER_SECONDS[command]
         try:
             self._send((command, call, *args))
-            while True:        # until the answer, or until the reader stops (no answer comes)
-                try:
-                    ok, value = future.result(timeout=1.0)
-                    break
-                except NoAnswerYet:
-                    if not self._reader.is_alive():
-                        raise OSError("the engine process stopped") from None
         except (OSError, ValueError):
             self._calls.pop(call, None)
-            raise errors.Unavailable("the server is not running (its engine process stopped)")
+            raise stopped from None
+        while True:         # until the answer, the deadline, or the reader's end (no answer)
+            try:
+                ok, value = future.result(timeout=1.0)
+                break
+            except NoAnswerYet:
+                if not self._reader.is_alive():
+                    raise stopped from None
+                if time.monotonic() > deadline:
+                    if late is not None:
+                        future.add_done_callback(lambda done: _if_good(done.result(), late))
+                    raise errors.Unavailable(f"the server's engine did not answer within "
+                                             f"{ANSWER_SECONDS[command]:g} s") from None
         if ok:
             return value
         error, message = value
@@ -443,6 +498,7 @@ class EngineProcess:
         try:
             while True:
                 kind, *rest = self._conn.recv()
+                self._heard = time.monotonic()
                 if kind == "events":
                     self._deliver(rest[0])
                 elif kind == "answer":

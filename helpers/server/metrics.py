@@ -8,7 +8,8 @@ bucket edge ``le``, plus their sum and count). From two scrapes a dashboard gets
 per second) and latency percentiles (time to first token, time per output token).
 
 The engine feeds the histograms (``Engine.metrics.observe_token`` for every token it
-generates); the counters and gauges come from ``Engine.snapshot()`` when the page is asked
+generates; with the engine in its own process, ``EngineProcess`` does, as each token reaches
+the HTTP process); the counters and gauges come from ``Engine.snapshot()`` when the page is asked
 for, and the HTTP answers are counted by status code by ``CountResponses``.
 """
 
@@ -43,6 +44,8 @@ ENGINE_METRICS = {
     "waiting": ("gauge", "Requests waiting for a slot in the batch (the queue's length)."),
     "running": ("gauge", "Rows in the running batch."),
     "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
+    "prepared_held": ("gauge", "Requests the engine's process keeps prepared for submission "
+                               "(with the engine in a process of its own)."),
 }
 
 
@@ -57,7 +60,7 @@ def _number(value: float) -> str:
 
 class Histogram:
     """Counts of observations at or below each bucket edge, their sum and count.
-    Thread-safe: the scheduler thread observes, the event loop's thread renders."""
+    Thread-safe: the thread that hands out tokens observes, a worker thread renders."""
 
     def __init__(self, name: str, help: str, buckets):
         self.name, self.help = name, help
@@ -120,11 +123,14 @@ class Metrics:
         with self._lock:
             self._responses[status] = self._responses.get(status, 0) + 1
 
-    def render(self, snapshot: dict) -> str:
-        """The whole page: the engine's ``snapshot()`` counters and gauges, the answers by
-        status code, the histograms."""
-        lines = []
-        for key in sorted(set(ENGINE_METRICS) | set(snapshot)):
+    def render(self, snapshot: dict | None) -> str:
+        """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
+        does not answer, and ``up`` says so), the answers by status code, the histograms."""
+        name = PREFIX + "up"
+        lines = [f"# HELP {name} 1 while the engine answers; 0 when it does not (its own "
+                 f"figures are then left out).", f"# TYPE {name} gauge",
+                 f"{name} {0 if snapshot is None else 1}"]
+        for key in sorted(set(ENGINE_METRICS) | set(snapshot)) if snapshot is not None else []:
             kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
             name = PREFIX + key
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",

@@ -135,15 +135,21 @@ class Run:
     def _prepare_and_submit(self, prompts: list, loop) -> None:
         """In a worker thread: every prompt prepared first (a bad one refuses the request
         before anything runs), then the copies submitted, each copy with its own seed."""
-        prepared = [self.engine.prepare(prompt, self.call.params) for prompt in prompts]
-        for index, first in enumerate(prepared):
-            for number in range(self.call.best_of):
-                item = first
-                if number and first.seed is not None:          # each copy its own draw
-                    item = _copy_with_seed(first, (first.seed + number) % 2**64)
-                handle = self.engine.submit(item, loop, self.queue, len(self.sequences))
-                self.handles.append(handle)
-                self.sequences.append(Sequence(index, number, handle))
+        prepared = []
+        try:
+            for prompt in prompts:
+                prepared.append(self.engine.prepare(prompt, self.call.params))
+            for index, first in enumerate(prepared):
+                for number in range(self.call.best_of):
+                    item = first
+                    if number and first.seed is not None:          # each copy its own draw
+                        item = _copy_with_seed(first, (first.seed + number) % 2**64)
+                    handle = self.engine.submit(item, loop, self.queue, len(self.sequences))
+                    self.handles.append(handle)
+                    self.sequences.append(Sequence(index, number, handle))
+        finally:       # submitted or not, no more copies will be made of them
+            for item in prepared:
+                self.engine.release(item)
 
     def _close_after(self, work) -> None:
         """``work`` (the submitting thread's future) is done, and nobody waits for its
