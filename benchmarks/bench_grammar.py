@@ -52,14 +52,16 @@ def _string(max_length: int) -> dict:
     return {"type": "string", "maxLength": max_length}
 
 
-def _object(**properties) -> dict:
+def object_schema(**properties) -> dict:
+    """An object with these properties, all required (tests/test_grammar.py uses it too)."""
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
-def _nested(depth: int) -> dict:
+def nested_schema(depth: int) -> dict:
+    """Objects nested ``depth`` deep around an integer (tests/test_grammar.py uses it too)."""
     schema = {"type": "integer"}
     for _ in range(depth):
-        schema = _object(a=schema)
+        schema = object_schema(a=schema)
     return schema
 
 
@@ -67,17 +69,17 @@ def lesson_schemas() -> dict[str, dict]:
     """Lesson 07's StoryFacts and the schemas the server's tests send (tests/test_server.py),
     written out as the JSON schemas pydantic makes of them."""
     short = lambda n: _string(n)  # noqa: E731
-    pet = _object(name=short(8), age={"type": "integer", "minimum": 0, "maximum": 20})
+    pet = object_schema(name=short(8), age={"type": "integer", "minimum": 0, "maximum": 20})
     return {
-        "lesson 07 StoryFacts": _object(characters={"type": "array", "items": short(24),
+        "lesson 07 StoryFacts": object_schema(characters={"type": "array", "items": short(24),
                                                     "maxItems": 3},
                                         place=short(20), object=short(24)),
-        "tests Owner (nested)": _object(pet=pet, town=short(10)),
-        "tests Ball (enum)": _object(colour={"enum": ["red", "green", "blue"], "type": "string"},
+        "tests Owner (nested)": object_schema(pet=pet, town=short(10)),
+        "tests Ball (enum)": object_schema(colour={"enum": ["red", "green", "blue"], "type": "string"},
                                      size={"type": "integer", "minimum": 1, "maximum": 3}),
-        "tests Score (integers)": _object(points={"type": "integer"},
+        "tests Score (integers)": object_schema(points={"type": "integer"},
                                           rank={"type": "integer", "minimum": 1, "maximum": 10}),
-        "tests Entities": _object(characters={"type": "array", "items": short(12), "maxItems": 3},
+        "tests Entities": object_schema(characters={"type": "array", "items": short(12), "maxItems": 3},
                                   animals={"type": "array", "items": short(12), "maxItems": 3},
                                   place=short(15), object=short(20)),
     }
@@ -92,8 +94,8 @@ def hostile_cases() -> dict[str, tuple[str, object]]:
         'string maxLength 2000': ("json", _string(2000)),
         'string maxLength 100000': ("json", _string(100_000)),
         'enum of 1000 strings': ("json", {"enum": words}),
-        'objects nested 40 deep': ("json", _nested(40)),
-        'object of 200 strings': ("json", _object(**{f"key{i}": _string(10) for i in range(200)})),
+        'objects nested 40 deep': ("json", nested_schema(40)),
+        'object of 200 strings': ("json", object_schema(**{f"key{i}": _string(10) for i in range(200)})),
         '{"enum": []}': ("json", {"enum": []}),
         '{"not": {}}': ("json", {"not": {}}),
         'regex (a|b)*c{1000}': ("regex", "(a|b)*c{1000}"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
+from benchmarks.bench_grammar import nested_schema, object_schema
 from helpers.corpus import task_prompt
 from helpers.server.errors import InvalidRequest, Overloaded, TooLarge
 from helpers.server.grammar import Grammars, closed_objects
@@ -39,17 +40,6 @@ class Facts(BaseModel):                     # lesson 07's StoryFacts
 
 class Note(BaseModel):                      # a string with no bound
     note: str
-
-
-def _object(**properties) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-def _nested(depth: int) -> dict:
-    schema = {"type": "integer"}
-    for _ in range(depth):
-        schema = _object(a=schema)
-    return schema
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +111,9 @@ def test_a_big_enum_compiles_and_a_bigger_one_is_too_large(grammars):
 
 
 def test_deep_nesting_is_refused_by_its_limit(grammars):
-    grammars.compile("json", _nested(10))
+    grammars.compile("json", nested_schema(10))
     with pytest.raises(TooLarge, match="max_depth"):
-        grammars.compile("json", _nested(40))
+        grammars.compile("json", nested_schema(40))
     deep = {}
     for _ in range(10_000):                  # deeper than Python's recursion limit
         deep = {"anyOf": [deep]}
