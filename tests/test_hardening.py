@@ -809,8 +809,8 @@ def test_histogram_and_page_render():
         submitted = time.perf_counter() - 0.03
 
     handle = Handle()
-    page.observe_token(handle, first=True)
-    page.observe_token(handle, first=False)
+    page.observe_token(handle)                   # its first token
+    page.observe_token(handle)                   # its second
     page.count_response(200)
     page.count_response(422)
     page.count_response(429)

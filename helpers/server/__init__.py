@@ -16,9 +16,10 @@ talk to it.
         print(Client(url).generate("Jack and Jill", max_new_tokens=20).generated_text)
 
 Modules: ``engine`` (the scheduler that owns the model; ``paged_engine`` the same on lesson
-08's paged KV cache; ``engine_process`` runs either in a process of its own, the default), ``sampling`` (how a row's next token is chosen), ``detok`` (tokens to
-text as they come), ``grammar`` (grammars to token masks), ``adapters`` (adapter names to
-loaded adapters), ``errors`` (the engine's own errors); ``app`` (the application: error mapping,
+08's paged KV cache; ``engine_process`` runs either in a process of its own, the default),
+``sampling`` (how a row's next token is chosen), ``detok`` (tokens to text as they come),
+``grammar`` (grammars to token masks), ``adapters`` (adapter names to loaded adapters),
+``errors`` (the engine's own errors); ``app`` (the application: error mapping,
 /health, /info, /metrics), ``routes_lorax`` and ``routes_openai`` (the two families of
 routes), ``runner`` (the request path both share), ``protocol`` (request bodies and their
 checks), ``chat`` (chat messages to a prompt), ``guards`` (what a request must look like

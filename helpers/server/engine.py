@@ -27,8 +27,8 @@ engine on lesson 08's paged KV cache.
 The server runs the engine in a process of its own by default (``engine_process.py``: the
 scheduler then never waits for the HTTP side's thread to give back Python's lock); the engine
 is the same either way. Errors are the engine's own (``helpers.server.errors``); the HTTP side
-turns them into status codes. A row whose token cannot be chosen (NaN logits from extreme settings, a failing
-grammar) fails alone: the other rows of the batch carry on.
+turns them into status codes. A row whose token cannot be chosen (NaN logits from extreme
+settings, a failing grammar) fails alone: the other rows of the batch carry on.
 """
 
 from __future__ import annotations
@@ -649,7 +649,7 @@ class Engine:
         if row.max_new_tokens == 0:
             return TokenEvent(None, self._finish(row, "length", None)), True
         row.count += 1
-        self.metrics.observe_token(row.handle, first=row.count == 1)
+        self.metrics.observe_token(row.handle)
         reason, stop_at = None, None
         is_eos = token == self.eos_id and not row.ignore_eos
         if is_eos:

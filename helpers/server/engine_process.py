@@ -314,11 +314,9 @@ class EngineProcess:
 
         from ..models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(settings["model"])
         self.metrics = Metrics()            # observed here: what the clients' tokens saw
         self.adapters = _RemoteAdapters(self)
         self._handles: dict[int, Handle] = {}
-        self._started: set[int] = set()      # requests that got their first token
         self._calls: dict[int, Future] = {}
         self._numbers = itertools.count()     # the requests' numbers
         self._call_ids = itertools.count()    # the commands that wait for an answer
@@ -334,6 +332,11 @@ class EngineProcess:
                                         name="helpers.server engine", daemon=True)
         self._process.start()
         child_conn.close()
+        try:       # this process's tokenizer loads while the engine process loads the model
+            self.tokenizer = load_tokenizer(settings["model"])
+        except BaseException:
+            self._process.kill()
+            raise
         limits = self._wait_ready(start_timeout)
         for name, value in limits.items():
             setattr(self, name, value)
@@ -424,7 +427,6 @@ class EngineProcess:
             return
         handle.cancelled = True
         self._handles.pop(handle.id, None)          # its client is gone: no more events
-        self._started.discard(handle.id)
         try:
             self._send(("cancel", handle.id))
         except (OSError, ValueError):     # the engine process is gone: nothing runs anyway
@@ -526,12 +528,10 @@ class EngineProcess:
             if handle is None:
                 continue
             if isinstance(event, TokenEvent) and event.token is not None:
-                self.metrics.observe_token(handle, first=number not in self._started)
-                self._started.add(number)
+                self.metrics.observe_token(handle)
             if _ends(event):
                 handle.finished = True
                 del self._handles[number]
-                self._started.discard(number)
             outgoing.append((handle, event))
         send_events(outgoing)
 

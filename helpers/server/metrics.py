@@ -91,8 +91,8 @@ class Histogram:
 class Metrics:
     """The engine's latency histograms and the HTTP side's answer counts.
 
-    ``observe_token(handle, first)`` is called by the scheduler for each token of a request:
-    the first one is timed from the request's submission (time to first token, queueing
+    ``observe_token(handle)`` is called for each token of a request as it is handed out: the
+    first one is timed from the request's submission (time to first token, queueing
     included), each later one from the same request's previous token.
     """
 
@@ -108,15 +108,14 @@ class Metrics:
         self._responses: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def observe_token(self, handle, first: bool) -> None:
+    def observe_token(self, handle) -> None:
         """One token of ``handle`` (an engine ``Handle``) was generated just now."""
         now = time.perf_counter()
-        if first:
+        last = self._last.get(handle)          # None: this is its first token
+        if last is None:
             self.ttft.observe(now - handle.submitted)
         else:
-            last = self._last.get(handle)
-            if last is not None:
-                self.per_token.observe(now - last)
+            self.per_token.observe(now - last)
         self._last[handle] = now
 
     def count_response(self, status: int) -> None:
