@@ -3,6 +3,7 @@
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
+#   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
 #   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
 #   make wheelhouse   download every wheel into wheelhouse/ for a room with no network;
@@ -40,7 +41,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab test test-browser test-gpu test-pythons unit nbval compat bench execute sync-notebooks images model wheelhouse clean
+.PHONY: lab test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -133,6 +134,9 @@ nbval: $(STAMP)
 
 execute: $(STAMP)
 	$(PY) scripts/execute_notebooks.py $(LESSONS)
+
+workbooks: $(STAMP)
+	$(PY) scripts/make_workbooks.py
 
 sync-notebooks: $(STAMP)
 	$(PY) scripts/sync_notebooks.py

@@ -15,7 +15,8 @@ checks every import in the package against it, imports inside functions included
     5. paged, speculative            the paged KV cache (lesson 08), on top of lesson 03's batches;
                                      speculative decoding (lesson 09)
     6. corpus, plots                 the story world's text, the lessons' figures
-    7. widgets                       notebook display: live plots, controls, diagrams
+    7. widgets, checks               notebook display: live plots, controls, diagrams; the
+                                     learners' checks of the lessons' exercises
     8. server                        lesson 07's server, built on the layers below
     9. helpers                       this file: the names the lessons import
 """

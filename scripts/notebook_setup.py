@@ -33,11 +33,11 @@ def github_path(url: str) -> str:
     return m.group(1)
 
 
-def colab_badge(notebook: str, url: str | None = None) -> str:
-    """Markdown for an 'Open in Colab' badge of lessons/<notebook>."""
+def colab_badge(notebook: str, url: str | None = None, folder: str = "lessons") -> str:
+    """Markdown for an 'Open in Colab' badge of <folder>/<notebook> (lessons/ or workbooks/)."""
     path = github_path(url or repo_url())
     return (f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
-            f"(https://colab.research.google.com/github/{path}/blob/main/lessons/{notebook})")
+            f"(https://colab.research.google.com/github/{path}/blob/main/{folder}/{notebook})")
 
 
 def binder_badge(url: str | None = None) -> str:

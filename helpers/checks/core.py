@@ -1,0 +1,147 @@
+"""The machinery of the learners' checks (every lesson's "Your turn" exercises).
+
+A check runs the learner's code and the course's on a few cases, edge cases included, and
+prints one line: a pass, or the first difference it found, said so that the learner can act on
+it (which row, which position, expected against got, and the usual cause when there is one).
+Never a traceback: an exception in the learner's code becomes that one line too, and a stub
+that still raises ``NotImplementedError`` is "not written yet".
+
+Whatever happens, a check returns what the rest of the lesson should use: the learner's code
+when it passed, the course's version otherwise (and it says so), so that a workbook keeps
+running to its end with an exercise missing or wrong.
+
+A lesson's check is a function ``check_<name>(learner_code, ...)``; its cases live in a
+*checker*, a function that raises :class:`Hint` at the first difference::
+
+    def _merge_cases(merge_batches, cases):
+        with cases("two rows of different lengths"):
+            ...
+            if got != expected:
+                raise Hint("row 1 ...")
+
+    def check_merge_batches(merge_batches):
+        return run_check("merge_batches", merge_batches, _merge_cases, fallback=reference)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+PASSED, FAILED, NOT_YET = "✓", "✗", "…"
+NOT_WRITTEN = "not written yet"
+USING_OURS = "the rest of the lesson uses the course's version"
+MAX_LINE = 400
+
+
+class Hint(Exception):
+    """The first difference a check found, in words a learner can act on."""
+
+
+class Cases:
+    """Counts the cases a checker runs and remembers which one is running, so that a hint or
+    an exception can name it: ``with cases("a row that finishes at once"): ...``."""
+
+    def __init__(self):
+        self.passed = 0
+        self.current: str | None = None
+
+    @contextmanager
+    def __call__(self, description: str):
+        self.current = description
+        yield
+        self.passed += 1
+        self.current = None
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MAX_LINE else text[:MAX_LINE - 1] + "…"
+
+
+def run_check(name: str, candidate: Any, checker: Callable[[Any, Cases], None], fallback: Any,
+              kind: str = "function", causes: dict[str, str] | None = None) -> Any:
+    """Run ``checker(candidate, cases)``, print one line, and return ``candidate`` when it
+    passed or ``fallback`` (the course's version) when it did not.
+
+    ``causes`` maps a piece of an exception's message to its usual cause in this exercise
+    (``{"Sizes of tensors must match": "pad the shorter history first"}``): when the learner's
+    code raises such an exception, the line ends with that cause."""
+    if candidate is None or (kind == "function" and not callable(candidate)):
+        print(f"{FAILED} {name}: expected a {kind}, got {type(candidate).__name__}; "
+              f"{USING_OURS}.")
+        return fallback
+    cases = Cases()
+    try:
+        checker(candidate, cases)
+    except NotImplementedError:
+        print(f"{NOT_YET} {name}: {NOT_WRITTEN}; {USING_OURS}.")
+        return fallback
+    except Hint as hint:
+        where = f" (case: {cases.current})" if cases.current else ""
+        print(_one_line(f"{FAILED} {name}{where}: {hint}") + f" ({USING_OURS})")
+        return fallback
+    except Exception as error:     # the learner's code failed: one line, never a traceback
+        where = f" on the case: {cases.current}" if cases.current else ""
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        cause = next((c for text, c in (causes or {}).items() if text in str(error)), None)
+        message = (message if len(message) <= 100 else message[:99] + "…")
+        message += f"; likely cause: {cause}" if cause else ""
+        print(_one_line(f"{FAILED} {name} raised {type(error).__name__}{where}: {message}")
+              + f" ({USING_OURS})")
+        return fallback
+    print(f"{PASSED} {name}: right on all {cases.passed} cases.")
+    return candidate
+
+
+# ---- comparisons that raise a Hint at the first difference --------------------------------
+
+def shape_of(x) -> tuple:
+    return tuple(x.shape) if hasattr(x, "shape") else ()
+
+
+def expect_tensor(what: str, got, expected: torch.Tensor, atol: float = 0.0,
+                  rows: str = "row", cols: str = "column") -> None:
+    """Raise a Hint naming the first place where ``got`` differs from ``expected``: a missing
+    tensor, another shape, or the first (row, column) whose value differs."""
+    if not isinstance(got, torch.Tensor):
+        raise Hint(f"{what} should be a tensor of shape {shape_of(expected)}, "
+                   f"got {type(got).__name__}")
+    if got.shape != expected.shape:
+        raise Hint(f"{what} has shape {shape_of(got)}, expected {shape_of(expected)}")
+    got_c, exp_c = got.detach().cpu(), expected.detach().cpu()
+    if got_c.is_floating_point() or exp_c.is_floating_point():
+        bad = ~torch.isclose(got_c.double(), exp_c.double(), atol=atol, rtol=1e-4 if atol else 0)
+    else:
+        bad = got_c != exp_c
+    if not bad.any():
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    names = [rows, cols] + [f"dim {d}" for d in range(2, len(index))]
+    place = ", ".join(f"{n} {i}" for n, i in zip(names, index)) or "the value"
+    g, e = got_c[index].item(), exp_c[index].item()
+    fmt = (lambda v: f"{v:.4g}") if isinstance(e, float) else str
+    raise Hint(f"{what} differs at {place}: got {fmt(g)}, expected {fmt(e)}")
+
+
+def expect_equal(what: str, got, expected) -> None:
+    """Raise a Hint when two plain values (numbers, lists) differ, with both shown."""
+    if got != expected:
+        raise Hint(f"{what}: got {_short(got)}, expected {_short(expected)}")
+
+
+def expect_close(what: str, got, expected: float, rel: float = 1e-6) -> None:
+    """Raise a Hint when a number is not within ``rel`` of the expected one."""
+    try:
+        ok = abs(float(got) - expected) <= rel * max(abs(expected), 1e-12)
+    except (TypeError, ValueError):
+        raise Hint(f"{what} should be a number, got {type(got).__name__}") from None
+    if not ok:
+        raise Hint(f"{what}: got {float(got):.6g}, expected {expected:.6g}")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -1,0 +1,3 @@
+"""Lesson 01's checks (to be written)."""
+
+__all__: list[str] = []
