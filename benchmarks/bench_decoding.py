@@ -196,7 +196,7 @@ def step_flops(model, batch: int, context: int) -> int:
 def measured_decode(model, batch: int, context: int, reps: int) -> float:
     """Seconds of one decode step at ``batch`` rows over a random KV cache of ``context``
     positions (the cache is cropped back after every step, so each step sees the same)."""
-    from transformers import DynamicCache
+    from helpers import cache_from_layers
 
     config = model.config
     heads, head_dim = config.n_head, config.n_embd // config.n_head
@@ -204,7 +204,7 @@ def measured_decode(model, batch: int, context: int, reps: int) -> float:
     layers = [(torch.randn(batch, heads, context, head_dim, generator=gen),
                torch.randn(batch, heads, context, head_dim, generator=gen))
               for _ in range(config.n_layer)]
-    cache = DynamicCache(ddp_cache_data=layers)
+    cache = cache_from_layers(layers)
     token = torch.randint(config.vocab_size, (batch, 1), generator=gen)
     mask = torch.ones(batch, context + 1, dtype=torch.long)
     position = torch.full((batch, 1), context)

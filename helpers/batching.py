@@ -324,8 +324,11 @@ def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]):
     """A ``DynamicCache`` holding the given ``(keys, values)`` per layer. (Lesson 03.)"""
     from transformers import DynamicCache
 
-    # Both transformers 4.57 and 5 fill a DynamicCache from (keys, values) pairs this way.
-    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+    # The cache's public API: an empty cache grows one layer per update, in layer order.
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
 
 
 # --- recording what happened ---------------------------------------------------------------

@@ -8,6 +8,7 @@ merge_batches and filter_batch, and every ValueError is checked.
 """
 
 import ast
+import copy
 import inspect
 import json
 import pathlib
@@ -551,18 +552,18 @@ def test_lesson_03_functions_build_the_helpers_batches(tiny_gqa_llama):
     runs = {}
     for name, f in (("lesson", lesson), ("helpers", vars(theirs))):
         batch = f["init_batch"](tokenizer, first)
-        steps = [batch]
+        steps = [copy.deepcopy(batch)]   # a snapshot: later steps change a batch in place
         batch = f["generate_next_token"](model, tokenizer, batch)                 # prefill
         new = f["generate_next_token"](model, tokenizer, f["init_batch"](tokenizer, newcomer, [2]))
         batch = f["merge_batches"](batch, new)
-        steps.append(batch)
+        steps.append(copy.deepcopy(batch))
         batch = f["generate_next_token"](model, tokenizer, batch)                 # decode
-        steps.append(batch)
+        steps.append(copy.deepcopy(batch))
         batch = f["filter_batch"](batch)                                         # row 0 leaves
-        steps.append(batch)
+        steps.append(copy.deepcopy(batch))
         while len(batch):
             batch = f["filter_batch"](f["generate_next_token"](model, tokenizer, batch))
-            steps.append(batch)
+            steps.append(copy.deepcopy(batch))
         runs[name] = steps
     assert len(runs["lesson"]) == len(runs["helpers"])
     for a, b in zip(runs["lesson"], runs["helpers"]):
