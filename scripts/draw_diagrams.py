@@ -516,6 +516,41 @@ def speculative():
     return fig
 
 
+@diagram
+def course_map():
+    """README: which lesson builds on which, and the three paths through the course."""
+    fig, ax = canvas(11, 5.6)
+    w, h = 2.3, 0.8
+    spots = {  # lesson -> (x, y, title, colour)
+        "01": (4.3, 4.5, "01 Text generation\n(KV cache)", BLUE),
+        "02": (1.2, 3.1, "02 Batching", BLUE),
+        "04": (4.3, 3.1, "04 Quantization", GREY),
+        "05": (7.4, 3.1, "05 LoRA", GREEN),
+        "03": (1.2, 1.7, "03 Continuous\nbatching", BLUE),
+        "09": (4.3, 1.7, "09 Speculative\ndecoding", PINK),
+        "06": (7.4, 1.7, "06 Multi-LoRA", GREEN),
+        "08": (0.2, 0.3, "08 Paged KV cache", PINK),
+        "07": (4.3, 0.3, "07 Serving", BLUE),
+    }
+    for x, y, title, colour in spots.values():
+        box(ax, x, y, w, h, title, colour, fill=0.25, size=9.5, weight="bold")
+    needs = [("01", "02"), ("01", "04"), ("01", "05"), ("02", "03"), ("02", "09"),
+             ("05", "06"), ("02", "06"), ("03", "07"), ("06", "07"), ("03", "08")]
+    for before, after in needs:
+        (x0, y0, _, _), (x1, y1, _, _) = spots[before], spots[after]
+        arrow(ax, x0 + w / 2, y0, x1 + w / 2, y1 + h, "#555555", lw=1)
+    notes = [(BLUE, "half-day core: 01 → 02 → 03 → 07"),
+             (GREEN, "the original course: 01 to 07 (adds 04, 05, 06)"),
+             (PINK, "the full course: all nine (08 and 09 go past the original)"),
+             (GREY, "04 stands alone: nothing later needs it")]
+    for i, (colour, text) in enumerate(notes):
+        box(ax, 7.2, 0.95 - i * 0.32, 0.25, 0.22, "", colour, fill=0.5)
+        ax.text(7.55, 1.06 - i * 0.32, text, fontsize=8.5, va="center")
+    ax.text(5.5, 5.45, "an arrow: the lesson below uses what the one above teaches",
+            ha="center", fontsize=8.5, color="#555555")
+    return fig
+
+
 def main(names):
     IMG.mkdir(exist_ok=True)
     for name in names or DIAGRAMS:
