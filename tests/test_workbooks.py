@@ -34,7 +34,8 @@ def _check_cells(nb):
 
 
 def _text(cell):
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o["output_type"] == "stream")
+    return "".join("".join(o.get("text", "")) for o in cell.get("outputs", [])
+                   if o["output_type"] == "stream")
 
 
 def test_committed_workbooks_are_current():

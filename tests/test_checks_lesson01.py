@@ -1,0 +1,200 @@
+"""Lesson 01's checks pass the course's answers, say "not written yet" for a stub, and catch
+the mistakes learners make in the cached greedy loop and the KV-cache size formula, each with
+a hint at its symptom."""
+
+import time
+
+import pytest
+import torch
+
+from helpers import kv_cache_bytes_for
+from helpers.checks import check_greedy_with_cache, check_kv_cache_bytes_for
+from helpers.checks.lesson01 import greedy_with_cache
+from tests.checking import assert_caught, assert_not_written, assert_passes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- greedy_with_cache: the lesson's solution and typical mistakes ---------------------------
+
+def _loop(model, tokenizer, prompt, n_tokens, *, pass_past=True, feed="new", position=-1,
+          keep_prompt=False, stop_at_eos=False):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    prompt_ids = ids[0].tolist()
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past if pass_past else None,
+                        use_cache=True)
+            token = out.logits[0, position].argmax().view(1, 1)
+            if stop_at_eos and int(token) == tokenizer.eos_token_id:
+                break
+            new.append(int(token))
+            past, ids = out.past_key_values, torch.cat([ids, token], dim=1)
+            step_input = {"new": token, "all": ids, "prompt": ids[:, :len(prompt_ids)]}[feed]
+    return prompt_ids + new if keep_prompt else new
+
+
+def course_greedy_with_cache(model, tokenizer, prompt, n_tokens):
+    """The lesson's solution, as written in its exercise cell."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            past, step_input = out.past_key_values, token
+            new.append(int(token))
+    return new
+
+
+def forgetting_the_cache(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, pass_past=False)
+
+
+def feeding_the_whole_sequence_with_the_cache(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, feed="all")
+
+
+def feeding_the_prompt_every_step(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, feed="prompt")
+
+
+def reading_the_first_position(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, position=0)
+
+
+def returning_the_prompt_too(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, keep_prompt=True)
+
+
+def stopping_at_eos(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, stop_at_eos=True)
+
+
+def no_cache_at_all(model, tokenizer, prompt, n):
+    return _loop(model, tokenizer, prompt, n, pass_past=False, feed="all")
+
+
+def one_call_too_many(model, tokenizer, prompt, n):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)          # the prefill, outside the loop
+        new = []
+        for _ in range(n):
+            token = out.logits[0, -1].argmax().view(1, 1)
+            new.append(int(token))
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return new
+
+
+GREEDY_MISTAKES = {
+    forgetting_the_cache: "fed one token without past_key_values",
+    feeding_the_whole_sequence_with_the_cache: "fed 6 tokens (the whole sequence) together with a cache",
+    feeding_the_prompt_every_step: "fed 5 tokens (the prompt again)",
+    reading_the_first_position: "read the next token at the last position",
+    returning_the_prompt_too: "return only the new tokens",
+    stopping_at_eos: "does not stop at EOS",
+    no_cache_at_all: "re-read the whole sequence (6 tokens) without the cache",
+    one_call_too_many: "the model ran 21 times for 20 token(s)",
+}
+
+
+def test_greedy_check_passes_the_course_solution_quickly(bundled):
+    start = time.perf_counter()
+    assert_passes(check_greedy_with_cache, course_greedy_with_cache, *bundled)
+    assert time.perf_counter() - start < 10   # about 0.5 s on a quiet 2-core machine
+
+
+def test_greedy_reference_gives_the_solution_tokens(bundled):
+    for prompt, n in (("The rain in Spain falls", 20), ("Once", 3)):
+        assert greedy_with_cache(*bundled, prompt, n) == course_greedy_with_cache(*bundled, prompt, n)
+
+
+def test_greedy_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_greedy_with_cache, *bundled, fallback=greedy_with_cache)
+
+
+@pytest.mark.parametrize("mistake", GREEDY_MISTAKES, ids=lambda f: f.__name__)
+def test_greedy_check_catches(mistake, bundled):
+    assert_caught(check_greedy_with_cache, mistake, *bundled, symptom=GREEDY_MISTAKES[mistake],
+                  fallback=greedy_with_cache)
+
+
+def test_greedy_check_accepts_a_tensor_of_ids(bundled):
+    def as_tensor(model, tokenizer, prompt, n):
+        return torch.tensor(course_greedy_with_cache(model, tokenizer, prompt, n))
+    assert_passes(check_greedy_with_cache, as_tensor, *bundled)
+
+
+# ---- kv_cache_bytes_for: the lesson's solution and typical mistakes --------------------------
+
+def course_kv_cache_bytes_for(config, seq_len, batch=1, bytes_per_value=2):
+    """The lesson's solution, as written in its exercise cell."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    width = kv_heads * (config.hidden_size // heads)
+    return 2 * bytes_per_value * config.num_hidden_layers * width * seq_len * batch
+
+
+def _bytes(config, seq_len, batch=1, bytes_per_value=2, *, factor=2, gqa=True, use_batch=True,
+           nbytes=None, layers=True, unit=1):
+    heads = config.num_attention_heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or heads) if gqa else heads
+    width = kv_heads * (config.hidden_size // heads)
+    return (factor * (nbytes or bytes_per_value) * (config.num_hidden_layers if layers else 1)
+            * width * seq_len * (batch if use_batch else 1)) / unit
+
+
+def forgetting_keys_and_values(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, factor=1)
+
+
+def ignoring_grouped_query_attention(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, gqa=False)
+
+
+def ignoring_the_batch(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, use_batch=False)
+
+
+def always_two_bytes(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, nbytes=2)
+
+
+def one_layer_only(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, layers=False)
+
+
+def in_gib(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value, unit=2 ** 30)
+
+
+def fp32_by_default(config, seq_len, batch=1, bytes_per_value=4):
+    return _bytes(config, seq_len, batch, bytes_per_value)
+
+
+BYTES_MISTAKES = {
+    forgetting_keys_and_values: "keys AND values, hence the factor 2",
+    ignoring_grouped_query_attention: "8x the expected: this model shares each kv head among 8",
+    ignoring_the_batch: "32x too small: every one of the batch's 32 rows",
+    always_two_bytes: "as if every value took 2 bytes",
+    one_layer_only: "each of the 12 layers keeps its own",
+    in_gib: "not in GiB",
+    fp32_by_default: "make those the defaults",
+}
+
+
+def test_bytes_check_passes_the_course_solution_and_helpers(bundled):
+    assert_passes(check_kv_cache_bytes_for, course_kv_cache_bytes_for, *bundled)
+    assert_passes(check_kv_cache_bytes_for, kv_cache_bytes_for, *bundled)
+
+
+def test_bytes_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_kv_cache_bytes_for, *bundled, fallback=kv_cache_bytes_for)
+
+
+@pytest.mark.parametrize("mistake", BYTES_MISTAKES, ids=lambda f: f.__name__)
+def test_bytes_check_catches(mistake, bundled):
+    assert_caught(check_kv_cache_bytes_for, mistake, *bundled, symptom=BYTES_MISTAKES[mistake],
+                  fallback=kv_cache_bytes_for)

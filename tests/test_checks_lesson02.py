@@ -1,0 +1,252 @@
+"""Lesson 02's checks pass the course's answers, say "not written yet" for a stub, and catch
+the mistakes learners make in left padding, position ids and the batched greedy loop, each with
+a hint at its symptom."""
+
+import time
+
+import pytest
+import torch
+
+from helpers import left_pad, position_ids_from_mask
+from helpers.checks import check_batched_greedy, check_left_pad, check_position_ids_from_mask
+from helpers.checks.lesson02 import batched_greedy
+from tests.checking import assert_caught, assert_not_written, assert_passes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- left_pad ------------------------------------------------------------------------------
+
+def course_left_pad(token_lists, pad_id):
+    """The lesson's solution, as written in its exercise cell."""
+    width = max(len(ids) for ids in token_lists)
+    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def _pad(token_lists, pad_id, *, side="left", fill=None, flip=False, width=max, dtype=torch.long):
+    w = width(len(ids) for ids in token_lists)
+    input_ids = torch.full((len(token_lists), w), pad_id if fill is None else fill, dtype=dtype)
+    mask = torch.zeros((len(token_lists), w), dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        ids = ids[-w:]
+        where = slice(w - len(ids), w) if side == "left" else slice(0, len(ids))
+        input_ids[row, where] = torch.tensor(ids, dtype=dtype)
+        mask[row, where] = 1
+    return input_ids, (1 - mask if flip else mask)
+
+
+def padding_on_the_right(token_lists, pad_id):
+    return _pad(token_lists, pad_id, side="right")
+
+
+def mask_upside_down(token_lists, pad_id):
+    return _pad(token_lists, pad_id, flip=True)
+
+
+def padding_with_zeros(token_lists, pad_id):
+    return _pad(token_lists, pad_id, fill=0)
+
+
+def float_ids(token_lists, pad_id):
+    return _pad(token_lists, pad_id, dtype=torch.float32)
+
+
+def cut_to_the_shortest(token_lists, pad_id):
+    return _pad(token_lists, pad_id, width=min)
+
+
+def only_the_ids(token_lists, pad_id):
+    return _pad(token_lists, pad_id)[0]
+
+
+LEFT_PAD_MISTAKES = {
+    padding_on_the_right: "row 1 ends in padding, so it is padded on the right",
+    mask_upside_down: "1 on the padding and 0 on the tokens",
+    padding_with_zeros: "expected the pad id 99",
+    float_ids: "holds float32",
+    cut_to_the_shortest: "pad every row to the LONGEST list",
+    only_the_ids: "should return two tensors, (input_ids, attention_mask)",
+}
+
+
+def test_left_pad_check_passes_the_course_solution_quickly(bundled):
+    start = time.perf_counter()
+    assert_passes(check_left_pad, course_left_pad, bundled[1])
+    assert_passes(check_left_pad, left_pad, bundled[1])
+    assert time.perf_counter() - start < 5
+
+
+def test_left_pad_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_left_pad, bundled[1], fallback=left_pad)
+
+
+@pytest.mark.parametrize("mistake", LEFT_PAD_MISTAKES, ids=lambda f: f.__name__)
+def test_left_pad_check_catches(mistake, bundled):
+    assert_caught(check_left_pad, mistake, bundled[1], symptom=LEFT_PAD_MISTAKES[mistake],
+                  fallback=left_pad)
+
+
+# ---- position_ids_from_mask ------------------------------------------------------------------
+
+def course_position_ids_from_mask(attention_mask):
+    """The lesson's solution, as written in its exercise cell."""
+    positions = attention_mask.long().cumsum(dim=-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def counting_from_one(mask):
+    return mask.long().cumsum(dim=-1).masked_fill(mask == 0, 1)
+
+
+def column_numbers(mask):
+    return torch.arange(mask.shape[1]).expand(mask.shape).clone()
+
+
+def padding_left_at_minus_one(mask):
+    return mask.long().cumsum(dim=-1) - 1
+
+
+def padding_at_zero(mask):
+    return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def summing_down_the_columns(mask):
+    return (mask.long().cumsum(dim=0) - 1).masked_fill(mask == 0, 1)
+
+
+POSITION_MISTAKES = {
+    counting_from_one: "first token is at position 1, expected 0",
+    column_numbers: "its column number, expected 0: count real tokens only",
+    padding_left_at_minus_one: "the padding's positions are -1",
+    padding_at_zero: "the padding's positions are [0], expected 1",
+    summing_down_the_columns: "down the columns (over the rows, dim=0)",
+}
+
+
+def test_position_check_passes_the_course_solution(bundled):
+    assert_passes(check_position_ids_from_mask, course_position_ids_from_mask, bundled[1])
+    assert_passes(check_position_ids_from_mask, position_ids_from_mask, bundled[1])
+
+
+def test_position_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_position_ids_from_mask, bundled[1], fallback=position_ids_from_mask)
+
+
+@pytest.mark.parametrize("mistake", POSITION_MISTAKES, ids=lambda f: f.__name__)
+def test_position_check_catches(mistake, bundled):
+    assert_caught(check_position_ids_from_mask, mistake, bundled[1],
+                  symptom=POSITION_MISTAKES[mistake], fallback=position_ids_from_mask)
+
+
+# ---- batched_greedy --------------------------------------------------------------------------
+
+def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
+    """The lesson's solution, as written in its exercise cell (the tokenizer pads on the left)."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt").to(model.device)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, new = None, []
+    with torch.no_grad():
+        for step in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            new.append(next_ids)
+            past, ids = out.past_key_values, next_ids
+            mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+            positions = positions[:, -1:] + 1
+    return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
+
+
+def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions=True,
+             pass_mask=True, grow_mask=True, step_positions=1, use_cache=True):
+    before = tokenizer.padding_side
+    tokenizer.padding_side = side
+    try:
+        batch = tokenizer(prompts, padding=True, return_tensors="pt").to(model.device)
+    finally:
+        tokenizer.padding_side = before
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, new = None, []
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask if pass_mask else None,
+                        position_ids=positions if pass_positions else None,
+                        past_key_values=past if use_cache else None, use_cache=True)
+            next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            new.append(next_ids)
+            if grow_mask or not use_cache:
+                mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+            if use_cache:
+                past, ids = out.past_key_values, next_ids
+                positions = positions[:, -1:] + step_positions
+            else:
+                ids = torch.cat([ids, next_ids], dim=1)
+                positions = position_ids_from_mask(mask)
+    return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
+
+
+def padding_prompts_on_the_right(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, side="right")
+
+
+def without_position_ids(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, pass_positions=False)
+
+
+def without_the_attention_mask(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, pass_mask=False)
+
+
+def mask_that_does_not_grow(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, grow_mask=False)
+
+
+def positions_that_stand_still(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, step_positions=0)
+
+
+def without_the_cache(model, tokenizer, prompts, n):
+    return _batched(model, tokenizer, prompts, n, use_cache=False)
+
+
+BATCHED_MISTAKES = {
+    padding_prompts_on_the_right: "row 1 of the prefill's attention mask ends in padding",
+    without_position_ids: "the prefill passed no position_ids",
+    without_the_attention_mask: "the prefill passed no attention_mask",
+    mask_that_does_not_grow: "add a column of ones at every step",
+    positions_that_stand_still: "every step moves each row one position further",
+    without_the_cache: "step 1 fed 8 tokens per row without the cache",
+}
+
+
+def test_batched_check_passes_the_course_solution_quickly(bundled):
+    start = time.perf_counter()
+    assert_passes(check_batched_greedy, course_batched_greedy, *bundled)
+    assert time.perf_counter() - start < 10   # about 0.5 s on a quiet 2-core machine
+
+
+def test_batched_reference_gives_the_texts_of_one_prompt_at_a_time(bundled):
+    from helpers import generate_with_cache
+
+    model, tokenizer = bundled
+    texts = batched_greedy(model, tokenizer, ["Jack and Jill", "What comes up must"], 12)
+    assert texts == [generate_with_cache(model, tokenizer, p, 12, stop_at_eos=False).text
+                     for p in ["Jack and Jill", "What comes up must"]]
+
+
+def test_batched_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_batched_greedy, *bundled, fallback=batched_greedy)
+
+
+@pytest.mark.parametrize("mistake", BATCHED_MISTAKES, ids=lambda f: f.__name__)
+def test_batched_check_catches(mistake, bundled):
+    assert_caught(check_batched_greedy, mistake, *bundled, symptom=BATCHED_MISTAKES[mistake],
+                  fallback=batched_greedy)
+    assert bundled[1].padding_side == "left"     # the check leaves the tokenizer as it was

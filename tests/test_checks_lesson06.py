@@ -1,0 +1,206 @@
+"""Lesson 06's checks pass the course's functions, say "not written yet" for a stub, and catch
+the mistakes learners make in linear_lora_loop and linear_lora_gathered, each with a hint at
+its symptom."""
+
+import time
+
+import pytest
+import torch
+
+from helpers.checks import check_linear_lora_gathered, check_linear_lora_loop
+from helpers.lora import linear_lora_gathered, linear_lora_loop
+from tests.checking import assert_caught, assert_not_written, assert_passes, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- linear_lora_loop: typical mistakes ------------------------------------------------------
+
+def loop_by_row_number(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x[i] @ loras_a[i] @ loras_b[i] for i in range(len(x))])
+
+
+def loop_b_before_a(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x[i] @ loras_b[k] @ loras_a[k] for i, k in enumerate(lora_indices.tolist())])
+
+
+def loop_whole_batch_each_row(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x @ loras_a[k] @ loras_b[k] for k in lora_indices.tolist()])
+
+
+def loop_cat_instead_of_stack(x, loras_a, loras_b, lora_indices):
+    return torch.cat([x[i] @ loras_a[k] @ loras_b[k] for i, k in enumerate(lora_indices.tolist())])
+
+
+def loop_summing_the_rows(x, loras_a, loras_b, lora_indices):
+    out = 0
+    for i, k in enumerate(lora_indices.tolist()):
+        out = out + x[i] @ loras_a[k] @ loras_b[k]
+    return out.unsqueeze(0)
+
+
+def loop_one_result_per_adapter(x, loras_a, loras_b, lora_indices):
+    results = {}
+    for i, k in enumerate(lora_indices.tolist()):
+        results[k] = x[i] @ loras_a[k] @ loras_b[k]
+    return torch.stack(list(results.values()))
+
+
+def loop_index_off_by_one(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x[i] @ loras_a[k - 1] @ loras_b[k - 1]
+                        for i, k in enumerate(lora_indices.tolist())])
+
+
+def loop_a_and_b_of_different_adapters(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x[i] @ loras_a[k] @ loras_b[lora_indices[0]]
+                        for i, k in enumerate(lora_indices.tolist())])
+
+
+LOOP_MISTAKES = {
+    loop_by_row_number: "row 0 used adapter 0, its row number, instead of adapter lora_indices[0] = 3",
+    loop_b_before_a: "check that A comes first",
+    loop_whole_batch_each_row: "row i's product uses x[i] only",
+    loop_cat_instead_of_stack: "torch.stack makes them a new first dimension",
+    loop_summing_the_rows: "the rows were added together",
+    loop_one_result_per_adapter: "rows that share an adapter each need their own result",
+    loop_index_off_by_one: "an index off by one",
+    loop_a_and_b_of_different_adapters: "mixes adapter 1's A with another adapter's B",
+}
+
+
+# ---- linear_lora_gathered: typical mistakes --------------------------------------------------
+
+def gathered_along_the_wrong_dimension(x, loras_a, loras_b, lora_indices):
+    a = loras_a.index_select(1, lora_indices)
+    b = loras_b.index_select(1, lora_indices)
+    return torch.bmm(torch.bmm(x, a), b)
+
+
+def gathered_a_and_b_swapped(x, loras_a, loras_b, lora_indices):
+    a = loras_a.index_select(0, lora_indices)
+    b = loras_b.index_select(0, lora_indices)
+    return torch.bmm(torch.bmm(x, b), a)
+
+
+def gathered_distinct_adapters_only(x, loras_a, loras_b, lora_indices):
+    distinct = lora_indices.unique()
+    return torch.bmm(torch.bmm(x, loras_a[distinct]), loras_b[distinct])
+
+
+def gathered_each_adapter_once(x, loras_a, loras_b, lora_indices):
+    distinct = torch.tensor(list(dict.fromkeys(lora_indices.tolist())))   # first-seen order
+    return torch.bmm(torch.bmm(x, loras_a[distinct]), loras_b[distinct])
+
+
+def gathered_first_rows_of_the_stack(x, loras_a, loras_b, lora_indices):
+    return torch.bmm(torch.bmm(x, loras_a[:len(x)]), loras_b[:len(x)])
+
+
+def gathered_summed_with_einsum(x, loras_a, loras_b, lora_indices):
+    a, b = loras_a[lora_indices], loras_b[lora_indices]
+    return torch.einsum("bsi,bir,bro->so", x, a, b)
+
+
+def gathered_but_looping(x, loras_a, loras_b, lora_indices):
+    return torch.stack([x[i] @ loras_a[k] @ loras_b[k] for i, k in enumerate(lora_indices.tolist())])
+
+
+def gathered_into_a_new_cpu_tensor(x, loras_a, loras_b, lora_indices):
+    out = torch.zeros(x.shape[0], x.shape[1], loras_b.shape[2])
+    out += torch.bmm(torch.bmm(x, loras_a[lora_indices]), loras_b[lora_indices]).cpu()
+    return out
+
+
+def gathered_rows_sorted_by_adapter(x, loras_a, loras_b, lora_indices):
+    ordered = lora_indices.sort().values       # grouped by adapter, but the rows were not moved
+    return torch.bmm(torch.bmm(x, loras_a[ordered]), loras_b[ordered])
+
+
+GATHERED_MISTAKES = {
+    gathered_along_the_wrong_dimension: "along dimension 0 of loras_a and loras_b",
+    gathered_a_and_b_swapped: "then x @ A (in, r) before @ B (r, out)",
+    gathered_distinct_adapters_only: "the adapters in sorted order",
+    gathered_each_adapter_once: "only when rows share an adapter",
+    gathered_first_rows_of_the_stack: "its row number, instead of adapter lora_indices[0] = 3",
+    gathered_summed_with_einsum: "the rows were added together",
+    gathered_but_looping: "that is a loop over rows",
+    gathered_rows_sorted_by_adapter: "sort() or unique() reorders the adapters but not the rows",
+}
+
+
+# ---- the tests -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("check, solution", [(check_linear_lora_loop, linear_lora_loop),
+                                             (check_linear_lora_gathered, linear_lora_gathered)])
+def test_check_passes_the_course_function_quickly(check, solution):
+    start = time.perf_counter()
+    line = assert_passes(check, solution)
+    assert "right on all 6 cases" in line
+    assert time.perf_counter() - start < 4   # ≤ 2 s on a quiet 2-core machine
+
+
+def test_the_lessons_own_versions_pass():
+    def loop(x, loras_a, loras_b, lora_indices):
+        rows = []
+        for i, k in enumerate(lora_indices.tolist()):
+            rows.append(x[i] @ loras_a[k] @ loras_b[k])
+        return torch.stack(rows)
+
+    def gathered(x, loras_a, loras_b, lora_indices):
+        a = loras_a.index_select(0, lora_indices)
+        b = loras_b.index_select(0, lora_indices)
+        return torch.bmm(torch.bmm(x, a), b)
+
+    def broadcast(x, loras_a, loras_b, lora_indices):    # another right answer: x @ A[idx] @ B[idx]
+        return x @ loras_a[lora_indices] @ loras_b[lora_indices]
+
+    assert_passes(check_linear_lora_loop, loop)
+    assert_passes(check_linear_lora_gathered, gathered)
+    assert_passes(check_linear_lora_gathered, broadcast)
+    assert_passes(check_linear_lora_loop, gathered)     # the loop's check asks for numbers only
+
+
+@pytest.mark.parametrize("check, solution", [(check_linear_lora_loop, linear_lora_loop),
+                                             (check_linear_lora_gathered, linear_lora_gathered)])
+def test_check_says_not_written_for_a_stub(check, solution):
+    assert_not_written(check, fallback=solution)
+
+
+@pytest.mark.parametrize("mistake", LOOP_MISTAKES, ids=lambda f: f.__name__)
+def test_loop_check_catches(mistake):
+    assert_caught(check_linear_lora_loop, mistake, symptom=LOOP_MISTAKES[mistake],
+                  fallback=linear_lora_loop)
+
+
+@pytest.mark.parametrize("mistake", GATHERED_MISTAKES, ids=lambda f: f.__name__)
+def test_gathered_check_catches(mistake):
+    assert_caught(check_linear_lora_gathered, mistake, symptom=GATHERED_MISTAKES[mistake],
+                  fallback=linear_lora_gathered)
+
+
+def test_a_function_that_changes_its_input_is_caught():
+    def scaling_x_in_place(x, loras_a, loras_b, lora_indices):
+        x.mul_(1.0001)
+        return linear_lora_gathered(x, loras_a, loras_b, lora_indices)
+
+    assert_caught(check_linear_lora_gathered, scaling_x_in_place,
+                  symptom="changed its input x in place", fallback=linear_lora_gathered)
+
+
+def test_a_result_left_on_another_device_is_caught():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: on a CPU every tensor is on the same device")
+    assert_caught(check_linear_lora_gathered, gathered_into_a_new_cpu_tensor, "cuda",
+                  symptom="make every tensor you create on x.device", fallback=linear_lora_gathered)
+
+
+def test_the_check_runs_on_the_device_it_is_given():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seen = set()
+
+    def spying(x, loras_a, loras_b, lora_indices):
+        seen.add(x.device.type)
+        return linear_lora_gathered(x, loras_a, loras_b, lora_indices)
+
+    line, _ = run(check_linear_lora_gathered, spying, device)
+    assert line.startswith("✓") and seen == {device}, line

@@ -1,0 +1,189 @@
+"""Lesson 09's checks pass the course's code, say "not written yet" for a stub, and catch the
+mistakes learners make in the verify step, prompt lookup and the expected tokens per verify,
+each with a hint at its symptom."""
+
+import time
+
+import pytest
+import torch
+
+from helpers.checks import check_expected_tokens, check_lookup, check_verify
+from helpers.checks.lesson09 import course_expected_tokens, course_lookup
+from helpers.speculative import verify_greedy
+from tests.checking import assert_caught, assert_not_written, assert_passes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- verify: the lesson's solution and typical mistakes --------------------------------------
+
+def _verify(model, cache, unread, guesses, shift=0, crop=True, keep_rejected=False,
+            bonus=True, crop_sign=-1, as_tensor=False):
+    ids = torch.tensor([unread + guesses], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    choices = logits[len(unread) - 1 + shift:].argmax(dim=-1).tolist()
+    n = 0
+    while n < len(guesses) and guesses[n] == choices[n]:
+        n += 1
+    if crop and n < len(guesses):
+        cache.crop(crop_sign * (len(guesses) - n))
+    if keep_rejected and n < len(guesses):
+        return guesses[:n + 1] + [choices[n]]
+    if not bonus and n == len(guesses):
+        return guesses[:n]
+    tokens = guesses[:n] + [choices[n]]
+    return torch.tensor(tokens) if as_tensor else tokens
+
+
+def verify(model, cache, unread, guesses):                  # as in the lesson
+    return _verify(model, cache, unread, guesses)
+
+
+def verify_without_crop(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, crop=False)
+
+
+def verify_keeping_the_rejected_guess(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, keep_rejected=True)
+
+
+def verify_without_the_bonus_token(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, bonus=False)
+
+
+def verify_one_position_late(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, shift=1)
+
+
+def verify_cropping_with_a_positive_count(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, crop_sign=1)
+
+
+def verify_returning_a_tensor(model, cache, unread, guesses):
+    return _verify(model, cache, unread, guesses, as_tensor=True)
+
+
+def verify_cropping_the_kept_guesses_too(model, cache, unread, guesses):
+    new = _verify(model, cache, unread, guesses, crop=False)
+    cache.crop(-len(guesses)) if guesses else None        # drops every guess, kept ones too
+    return new
+
+
+def verify_without_the_models_token(model, cache, unread, guesses):
+    new = _verify(model, cache, unread, guesses)
+    return new[:-1] if len(new) <= len(guesses) else new   # keeps the bonus, drops the correction
+
+
+VERIFY_MISTAKES = {
+    verify_without_crop: "rejected guess(es) are still in it",
+    verify_keeping_the_rejected_guess: "keep only the guesses before the first mismatch",
+    verify_without_the_bonus_token: "the pass also gives the model's own token after the last guess",
+    verify_one_position_late: "one position late",
+    verify_cropping_with_a_positive_count: "cache.crop takes a negative count",
+    verify_returning_a_tensor: "use .tolist()",
+    verify_cropping_the_kept_guesses_too: "crop only the",
+    verify_without_the_models_token: "every pass writes at least one token",
+}
+
+
+# ---- lookup: the lesson's solution and typical mistakes --------------------------------------
+
+def _lookup(ids, k, max_ngram=3, latest=True, longest_first=True, skip_tail=True, after=True,
+            fixed_ngram=False):
+    sizes = list(range(min(3 if fixed_ngram else max_ngram, len(ids) - 1), 0, -1))
+    for n in (sizes if longest_first else sizes[::-1]):
+        tail = ids[-n:]
+        starts = list(range(len(ids) - n - (1 if skip_tail else 0), -1, -1))
+        for start in (starts if latest else starts[::-1]):
+            if ids[start:start + n] == tail:
+                first = start + n if after else start
+                return ids[first:first + k]
+    return []
+
+
+def lookup(ids, k, max_ngram=3):                             # as in the lesson
+    return _lookup(ids, k, max_ngram)
+
+
+LOOKUP_MISTAKES = {
+    (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, latest=False)): "take the latest one",
+    (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, longest_first=False)): "shortest n-gram first",
+    (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, skip_tail=False)): "the tail matched itself",
+    (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, after=False)): "not the match itself",
+    (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, fixed_ngram=True)): "n-grams of at most max_ngram tokens (here 1)",
+    (lambda ids, k, max_ngram=3: _lookup(ids, k + 1, max_ngram)): "at most k = ",
+}
+LOOKUP_NAMES = ["earliest occurrence", "shortest first", "tail matches itself", "the match itself",
+                "max_ngram ignored", "k + 1 guesses"]
+
+
+# ---- expected_tokens: the lesson's solution and typical mistakes -----------------------------
+
+def expected_tokens(alpha, k):                               # as in the lesson
+    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+
+
+EXPECTED_MISTAKES = {
+    (lambda a, k: (1 - a ** k) / (1 - a) if a < 1 else k): "one term short",
+    (lambda a, k: 1 + a * k): "guess i is kept only when all the guesses before it were",
+    (lambda a, k: (1 - a ** (k + 1)) / (1 - a)): "alpha = 1 divides by zero",
+    (lambda a, k: a * (1 - a ** k) / (1 - a) if a < 1 else k): "the model's own token (+1)",
+    (lambda a, k: (1 - a ** (k + 1)) / (1 - a) if a < 1 else k): "a pass writes the k guesses and the model's own token",
+}
+EXPECTED_NAMES = ["k terms", "1 + k alpha", "alpha = 1 unhandled", "accepted guesses only",
+                  "k at alpha = 1"]
+
+
+# ---- the tests -------------------------------------------------------------------------------
+
+def test_verify_check_passes_the_course_functions_quickly(bundled):
+    start = time.perf_counter()
+    assert_passes(check_verify, verify, *bundled)
+    assert time.perf_counter() - start < 10           # ≤ 2 s on a quiet 2-core machine
+    assert_passes(check_verify, verify_greedy, *bundled)
+
+
+def test_verify_check_says_not_written_for_a_stub(bundled):
+    assert_not_written(check_verify, *bundled, fallback=verify_greedy)
+
+
+@pytest.mark.parametrize("mistake", VERIFY_MISTAKES, ids=lambda f: f.__name__)
+def test_verify_check_catches(mistake, bundled):
+    assert_caught(check_verify, mistake, *bundled, symptom=VERIFY_MISTAKES[mistake],
+                  fallback=verify_greedy)
+
+
+def test_verify_check_runs_on_a_llama_style_model(tiny_llama):
+    assert_passes(check_verify, verify, *tiny_llama)
+    assert_caught(check_verify, verify_without_crop, *tiny_llama,
+                  symptom="rejected guess(es) are still in it", fallback=verify_greedy)
+
+
+def test_lookup_check_passes_the_course_functions():
+    assert_passes(check_lookup, lookup)
+    assert_passes(check_lookup, course_lookup)
+
+
+def test_lookup_check_says_not_written_for_a_stub():
+    assert_not_written(check_lookup, fallback=course_lookup)
+
+
+@pytest.mark.parametrize("mistake", LOOKUP_MISTAKES, ids=LOOKUP_NAMES)
+def test_lookup_check_catches(mistake):
+    assert_caught(check_lookup, mistake, symptom=LOOKUP_MISTAKES[mistake], fallback=course_lookup)
+
+
+def test_expected_tokens_check_passes_the_course_functions():
+    assert_passes(check_expected_tokens, expected_tokens)
+    assert_passes(check_expected_tokens, course_expected_tokens)
+
+
+def test_expected_tokens_check_says_not_written_for_a_stub():
+    assert_not_written(check_expected_tokens, fallback=course_expected_tokens)
+
+
+@pytest.mark.parametrize("mistake", EXPECTED_MISTAKES, ids=EXPECTED_NAMES)
+def test_expected_tokens_check_catches(mistake):
+    assert_caught(check_expected_tokens, mistake, symptom=EXPECTED_MISTAKES[mistake],
+                  fallback=course_expected_tokens)
