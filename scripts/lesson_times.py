@@ -39,7 +39,8 @@ def counts(nb: dict) -> dict:
         elif cell["cell_type"] == "code":
             code += sum(1 for line in source.splitlines()
                         if line.strip() and not line.strip().startswith("#"))
-            your_turn += sum(1 for line in source.splitlines() if line.strip() == "### BEGIN SOLUTION")
+            # one exercise a cell, however many solution regions it holds (a class's methods)
+            your_turn += any(line.strip() == "### BEGIN SOLUTION" for line in source.splitlines())
             figures += sum(1 for out in cell.get("outputs", []) if "image/png" in out.get("data", {}))
     return {"words": words, "code lines": code, "figures": figures, "your turn": your_turn,
             "end exercises": end_exercises}
