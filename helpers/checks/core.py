@@ -102,15 +102,20 @@ def shape_of(x) -> tuple:
     return tuple(x.shape) if hasattr(x, "shape") else ()
 
 
+def expect_shape(what: str, got, shape: tuple, why: str = "") -> None:
+    """Raise a Hint unless ``got`` is a tensor of ``shape``; ``why`` ends the hint
+    (": one position per token")."""
+    if not isinstance(got, torch.Tensor):
+        raise Hint(f"{what} should be a tensor of shape {tuple(shape)}, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(shape):
+        raise Hint(f"{what} has shape {tuple(got.shape)}, expected {tuple(shape)}{why}")
+
+
 def expect_tensor(what: str, got, expected: torch.Tensor, atol: float = 0.0,
                   rows: str = "row", cols: str = "column") -> None:
     """Raise a Hint naming the first place where ``got`` differs from ``expected``: a missing
     tensor, another shape, or the first (row, column) whose value differs."""
-    if not isinstance(got, torch.Tensor):
-        raise Hint(f"{what} should be a tensor of shape {shape_of(expected)}, "
-                   f"got {type(got).__name__}")
-    if got.shape != expected.shape:
-        raise Hint(f"{what} has shape {shape_of(got)}, expected {shape_of(expected)}")
+    expect_shape(what, got, tuple(expected.shape))
     got_c, exp_c = got.detach().cpu(), expected.detach().cpu()
     if got_c.is_floating_point() or exp_c.is_floating_point():
         bad = ~torch.isclose(got_c.double(), exp_c.double(), atol=atol, rtol=1e-4 if atol else 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..batching import left_pad, position_ids_from_mask
-from .core import Hint, expect_equal, expect_tensor, run_check
+from .core import Hint, expect_equal, expect_shape, expect_tensor, run_check
 from .lesson01 import recording
 
 __all__ = ["check_batched_greedy", "check_left_pad", "check_position_ids_from_mask"]
@@ -119,12 +119,8 @@ def _position_cases(tokenizer):
             with cases(label):
                 expected = position_ids_from_mask(mask)
                 got = learner(mask.clone())
-                if not isinstance(got, torch.Tensor):
-                    raise Hint(f"should return a tensor of shape {tuple(expected.shape)}, got "
-                               f"{type(got).__name__}")
-                if got.shape != expected.shape:
-                    raise Hint(f"the position ids have shape {tuple(got.shape)}, expected "
-                               f"{tuple(expected.shape)}: one position per token, the mask's shape")
+                expect_shape("the position ids", got, tuple(expected.shape),
+                             ": one position per token, the mask's shape")
                 _expect_long("the position ids", got)
                 _diagnose_positions(got.cpu(), expected, mask)
                 expect_tensor("the position ids", got, expected)

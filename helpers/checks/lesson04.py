@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..quantization import quantize
-from .core import Hint, expect_tensor, run_check
+from .core import Hint, expect_shape, expect_tensor, run_check
 
 __all__ = ["check_quantize_tensor", "check_dequantize_tensor", "check_quantize_channels",
            "quantize_tensor", "dequantize_tensor", "quantize_channels"]
@@ -389,12 +389,7 @@ def _quantize_channels_checker(model):
                     raise Hint(f"the scale has shape {shape}, expected {want}")
                 lo, _ = _range(t, dims)
                 _expect_scale(got_scale, scale, t, dims)
-                if not isinstance(got_zp, torch.Tensor):
-                    raise Hint(f"the zero point should be a tensor of shape {tuple(zp.shape)}, "
-                               f"got {type(got_zp).__name__}")
-                if got_zp.shape != zp.shape:
-                    raise Hint(f"the zero point has shape {tuple(got_zp.shape)}, expected "
-                               f"{tuple(zp.shape)}, the shape of the scale")
+                expect_shape("the zero point", got_zp, tuple(zp.shape), ", the shape of the scale")
                 got_z, want_z = got_zp.detach().cpu().double(), zp.double()
                 if not torch.equal(got_z, want_z):
                     i = int((got_z != want_z).flatten().nonzero()[0])
