@@ -470,9 +470,11 @@ def paged_blocks():
             box(ax, bx, y + 0.05, 0.55, 0.5, str(block), color, fill=0.15, size=9)
             arrow(ax, bx + 0.27, y + 0.57, 0.4 + block * 1.3 + 0.575, 2.53, color=color, lw=0.9)
     ax.text(6.1, 1.25, "token i of a request lives in block table[i // 4], at offset i % 4.\n"
-            "Blocks are taken one at a time as a request grows: no padding, no room\n"
-            "held for tokens not produced yet. Block 0 holds the same 4 prompt tokens\n"
-            "for A and B: found by its hash, computed once, counted twice (ref 2).",
+            "Blocks are taken one at a time as a request grows: no padding.\n"
+            "Admission reserves enough free blocks for the longest answer:\n"
+            "it counts them, it does not take them. Block 0 holds the same\n"
+            "4 prompt tokens for A and B: found by its hash, computed once,\n"
+            "counted twice (ref 2).",
             fontsize=8.5, va="center", color="#333333")
     return fig
 
