@@ -81,7 +81,13 @@ def codes_left_in_float(t):
     return q.float(), scale, z
 
 
+def zero_point_left_as_a_float_tensor(t):
+    q, scale, z = _quantize(t)
+    return q, scale, torch.round(-t.min().clamp(max=0) / scale)     # right value, float dtype
+
+
 QUANTIZE_MISTAKES = {
+    zero_point_left_as_a_float_tensor: "return it as an int",
     zero_point_is_the_minimum: "is the minimum (-0.",
     zero_point_not_rounded: "not an integer code: round it",
     zero_point_with_the_wrong_sign: "with the minus sign",

@@ -35,8 +35,9 @@ def _pair(got, what: str) -> tuple:
 def _expect_long(what: str, got) -> None:
     if isinstance(got, torch.Tensor) and got.dtype != torch.long:
         raise Hint(f"{what} holds {str(got.dtype).replace('torch.', '')}; make it integers "
-                   f"(torch.long) like the tokenizer's: the model looks token ids and positions "
-                   f"up by index")
+                   f"(torch.long) like the tokenizer's" + (
+                       ": the model looks token ids and positions up by index"
+                       if "mask" not in what else ""))
 
 
 # ---- left_pad -------------------------------------------------------------------------------

@@ -94,6 +94,13 @@ def _scalar(value, what: str) -> float:
     return float(value)
 
 
+def _is_integer(value) -> bool:
+    """An int, or a one-element tensor of an integer dtype."""
+    if isinstance(value, torch.Tensor):
+        return not (value.is_floating_point() or value.is_complex())
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _triple(got, name: str):
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         size = f" of {len(got)}" if isinstance(got, (tuple, list)) else ""
@@ -246,6 +253,11 @@ def _quantize_tensor_checker(model):
                 _expect_scale(got_scale, scale, t)
                 value = _scalar(got_zp, "the zero point")
                 _zero_point_hint(value, zp, lo.item(), scale.item())
+                if not _is_integer(got_zp):
+                    raise Hint(f"the zero point is {value:g} stored as a "
+                               f"{type(got_zp).__name__ if not isinstance(got_zp, torch.Tensor) else str(got_zp.dtype).replace('torch.', '')}"
+                               f": it is a code, so return it as an int (int(...) of the rounded "
+                               f"value), as the stub says")
                 _expect_codes(q, q_ref, t, scale, torch.tensor(zp), lo)
     return checker
 
