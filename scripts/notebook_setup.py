@@ -47,7 +47,8 @@ def binder_badge(url: str | None = None) -> str:
 
 
 COLAB_CELL = '''\
-# Colab setup: on Google Colab this fetches the course and installs what Colab lacks. The
+#@title Colab setup: does nothing outside Colab (click to see the code) {{ display-mode: "form" }}
+# On Google Colab this cell fetches the course and installs what Colab lacks. The
 # packages Colab ships (torch, transformers, torchao, matplotlib, ipywidgets, ...) keep their
 # versions: an upgrade under a running kernel breaks it. Elsewhere this cell does nothing.
 import os, subprocess, sys
@@ -78,5 +79,10 @@ if "google.colab" in sys.modules:
 
 
 def colab_cell(url: str | None = None) -> str:
-    """Source of the first code cell of every lesson."""
+    """Source of the first code cell of every lesson. Its first line is a Colab form title, so
+    that Colab shows the title alone; JupyterLab hides the code by COLAB_CELL_METADATA."""
     return COLAB_CELL.format(url=url or repo_url())
+
+
+#: The setup cell's metadata: collapsed in Colab (form view) and in JupyterLab (input hidden).
+COLAB_CELL_METADATA = {"cellView": "form", "jupyter": {"source_hidden": True}}

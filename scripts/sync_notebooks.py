@@ -1,5 +1,6 @@
 """Write the shared pieces into every lesson: the Colab badge under the title, the Colab setup
-cell first among the code cells, kernel and Colab metadata (GPU runtime).
+cell first among the code cells (collapsed in Colab and JupyterLab), kernel and Colab
+metadata (GPU runtime).
 
     python scripts/sync_notebooks.py            # rewrite lessons/*.ipynb in place
     python scripts/sync_notebooks.py --check    # exit 1 if a lesson is out of step
@@ -15,7 +16,8 @@ import sys
 import nbformat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from notebook_setup import ROOT, binder_badge, colab_badge, colab_cell, repo_url  # noqa: E402
+from notebook_setup import (COLAB_CELL_METADATA, ROOT, binder_badge, colab_badge,  # noqa: E402
+                            colab_cell, repo_url)
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
@@ -39,7 +41,9 @@ def sync(nb: dict, name: str) -> dict:
     if code is not None and "google.colab" in "".join(cells[code]["source"]):
         cells[code]["source"] = source
     else:
-        cells.insert(1, nbformat.v4.new_code_cell(source))
+        code = 1
+        cells.insert(code, nbformat.v4.new_code_cell(source))
+    cells[code].setdefault("metadata", {}).update(COLAB_CELL_METADATA)
     md = nb.setdefault("metadata", {})
     md["kernelspec"] = KERNELSPEC
     md["accelerator"] = "GPU"

@@ -11,7 +11,7 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from notebook_setup import colab_badge, colab_cell, pyproject, repo_url  # noqa: E402
+from notebook_setup import COLAB_CELL_METADATA, colab_badge, colab_cell, pyproject, repo_url  # noqa: E402
 
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 
@@ -61,6 +61,8 @@ def test_every_lesson_has_the_colab_cell_and_badge():
         nb = json.loads(path.read_text())
         first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
         assert "".join(first_code["source"]) == colab_cell(), f"{path.name}: stale Colab cell"
+        for key, value in COLAB_CELL_METADATA.items():     # collapsed in Colab and JupyterLab
+            assert first_code["metadata"].get(key) == value, f"{path.name}: Colab cell not collapsed"
         assert colab_badge(path.name) in "".join(nb["cells"][0]["source"])
         assert nb["metadata"]["kernelspec"]["name"] == "python3"
 
