@@ -97,15 +97,39 @@ def test_an_exercise_without_a_check_after_it_is_refused():
         workbook(json.loads(nbformat.writes(nb)), "00_test.ipynb")
 
 
-@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.name[:2])
-def test_workbook_runs_to_the_end_with_its_stubs(lesson, tmp_path):
-    """A fresh kernel, every stub untouched: no error, and each check says "not written yet"
-    while the cells after it go on with the course's version."""
+def _execute(path):
+    """The workbook at ``path`` executed in a fresh kernel (working directory workbooks/)."""
     from nbclient import NotebookClient
 
-    nb = nbformat.read(WORKBOOKS / lesson.name, as_version=4)
+    nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(WORKBOOKS)}}).execute()
+    return nb
+
+
+@pytest.fixture(scope="module")
+def executed_workbooks():
+    """Every workbook executed, two at a time: each lesson runs torch on one thread, so two
+    kernels keep both cores of a small machine busy. Name -> notebook, or the exception."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(lesson):
+        try:
+            return lesson.name, _execute(WORKBOOKS / lesson.name)
+        except Exception as error:           # reported by the test of that workbook
+            return lesson.name, error
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, LESSONS))
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.name[:2])
+def test_workbook_runs_to_the_end_with_its_stubs(lesson, executed_workbooks):
+    """A fresh kernel, every stub untouched: no error, and each check says "not written yet"
+    while the cells after it go on with the course's version."""
+    nb = executed_workbooks[lesson.name]
+    if isinstance(nb, Exception):
+        raise nb
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, errors[0]
     checks = _check_cells(nb)
