@@ -333,6 +333,14 @@ const promptOf = (node) => {
   const p = node.querySelector('.jp-InputPrompt');
   return p ? p.textContent.trim() : '';
 };
+// A cell whose input is collapsed (the Colab setup cell: source_hidden) shows no prompt: its
+// execution count comes from the cell's model instead.
+const promptOfCell = (w) => {
+  const p = promptOf(w.node);
+  if (p) return p;
+  const n = w.model.executionCount;
+  return n === null || n === undefined ? '' : '[' + n + ']:';
+};
 """
 
 JS_READY = FIND_PANEL + """
@@ -407,7 +415,7 @@ JS_PROGRESS = FIND_PANEL + """
   if (!panel) return null;
   const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
   return {
-    prompts: panel.content.widgets.map(w => w.model.type === 'code' ? promptOf(w.node) : null),
+    prompts: panel.content.widgets.map(w => w.model.type === 'code' ? promptOfCell(w) : null),
     kernel: kernel ? kernel.status : 'none',
     connection: kernel ? kernel.connectionStatus : 'none',
     statuses: window.__browserTest ? window.__browserTest.state.statuses.slice() : [],
@@ -425,7 +433,7 @@ JS_RESULTS = FIND_PANEL + """
     const text = areas.map(a => a.textContent).join('\\n');
     return {
       index: i,
-      prompt: promptOf(w.node),
+      prompt: promptOfCell(w),
       count: w.model.executionCount,
       timing: w.model.getMetadata('execution') || null,
       errors: outputs.filter(o => o.output_type === 'error').map(o => `${o.ename}: ${o.evalue}`),
