@@ -189,11 +189,7 @@ def _expect_codes(got, expected: torch.Tensor, t: torch.Tensor, scale: torch.Ten
                   zero_point: torch.Tensor, lo: torch.Tensor) -> None:
     """Compare the learner's codes with ours; ties (a value halfway between two codes, where
     the last bit of x / scale decides) may go either way."""
-    if not isinstance(got, torch.Tensor):
-        raise Hint(f"q should be a tensor of uint8 codes, got {type(got).__name__}")
-    if got.shape != expected.shape:
-        raise Hint(f"q has shape {tuple(got.shape)}, expected {tuple(expected.shape)} "
-                   f"(one code per value of t)")
+    expect_shape("q (uint8 codes)", got, tuple(expected.shape), " (one code per value of t)")
     got = got.detach().cpu()
     if got.dtype != torch.uint8:
         if got.is_floating_point() and bool((got != got.round()).any()):
@@ -298,11 +294,7 @@ def _dequantize_checker(model):
             with cases(label):
                 expected = dequantize_tensor(q, scale, zp)
                 got = learner(q.clone(), scale, zp)
-                if not isinstance(got, torch.Tensor):
-                    raise Hint(f"dequantize_tensor should return a tensor, got {type(got).__name__}")
-                if got.shape != expected.shape:
-                    raise Hint(f"the result has shape {tuple(got.shape)}, expected "
-                               f"{tuple(expected.shape)} (the shape of q)")
+                expect_shape("the result", got, tuple(expected.shape), " (the shape of q)")
                 if not got.is_floating_point():
                     raise Hint(f"the result is {got.dtype}: dequantized values are floats, "
                                f"(q - zero_point) * scale with q.float()")

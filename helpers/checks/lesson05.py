@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..lora import LoraLayer
-from .core import Hint, expect_tensor, run_check
+from .core import Hint, expect_shape, expect_tensor, run_check
 
 __all__ = ["check_lora_layer", "check_merge_lora", "merge_lora"]
 
@@ -70,11 +70,8 @@ def _lora_cases():
 
 
 def _expect_output(got, expected, x, ours: LoraLayer) -> None:
-    if not isinstance(got, torch.Tensor):
-        raise Hint(f"forward should return a tensor, got {type(got).__name__}")
-    if got.shape != expected.shape:
-        raise Hint(f"the output has shape {tuple(got.shape)}, expected {tuple(expected.shape)} "
-                   f"(the base layer's output shape)")
+    expect_shape("the output of forward", got, tuple(expected.shape),
+                 " (the base layer's output shape)")
     got = got.detach()
     if _close(got, expected):
         return
