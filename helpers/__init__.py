@@ -64,12 +64,16 @@ from .lora import (
     linear_lora_gathered,
     linear_lora_loop,
     load_adapters,
+    adapter_folders,
     random_adapters,
+    save_random_adapters,
     shipped_adapters,
+    shipped_adapters_fit,
 )
 from .models import (
     BUNDLED_MODEL_DIR,
     MODEL_ENV_VAR,
+    Needs,
     load_model,
     load_tokenizer,
     resolve_model_name,
@@ -93,12 +97,12 @@ from .paged import BlockManager, PagedKVCache, PoolExhausted, generate_paged
 from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
 from .quiet import import_torchao, quiet_stderr
 from .speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
-                          speculative_generate)
+                          course_draft, speculative_generate)
 from .server import serve_in_background
 from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
 
 __all__ = [
-    "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "LivePlot", "cache_nbytes",
+    "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "Needs", "LivePlot", "cache_nbytes",
     "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
     "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
     "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
@@ -115,13 +119,15 @@ __all__ = [
     # lessons 05-06: LoRA
     "ADAPTERS_DIR", "NO_ADAPTER", "TOY_COLOURS", "LoraLayer", "MultiLora", "MultiLoraLayer",
     "ToyModel", "ToyMultiLoraModel", "adapter_mismatch", "linear_lora_gathered", "linear_lora_loop",
-    "load_adapters", "random_adapters", "shipped_adapters",
+    "adapter_folders", "load_adapters", "random_adapters", "save_random_adapters",
+    "shipped_adapters", "shipped_adapters_fit",
     # lesson 07: serving (helpers.server holds the rest; FastAPI is imported on first use)
     "serve_in_background",
     # lesson 08: the paged KV cache (helpers.paged holds the rest)
     "BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged",
     # lesson 09: speculative decoding (helpers.speculative holds the rest)
-    "DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer", "speculative_generate",
+    "DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer", "course_draft",
+    "speculative_generate",
 ]
 
 

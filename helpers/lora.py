@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .models import Needs
+
 #: Where the shipped adapters live: one folder per adapter, as written by peft's save_pretrained.
 ADAPTERS_DIR = Path(__file__).resolve().parent / "assets" / "adapters"
 #: The name (besides ``None`` and -1) that means "this row uses no adapter", as in peft.
@@ -436,6 +438,63 @@ def shipped_adapters() -> list[str]:
         return []
     return sorted(p.name for p in ADAPTERS_DIR.iterdir()
                   if (p / "adapter_model.safetensors").is_file())
+
+
+def shipped_adapters_fit(model: nn.Module) -> Needs:
+    """Whether the shipped adapters fit ``model``: they were trained for the bundled model, and
+    another one ($COURSE_MODEL) has other layer sizes or names. ``needs.missing("Section 6")``
+    then says so and skips. (Lessons 05-07.)"""
+    names = shipped_adapters()
+    if not names:
+        return Needs("the shipped adapters", f"are not in {ADAPTERS_DIR}")
+    problem = next(filter(None, (adapter_mismatch(model, name) for name in names)), None)
+    return Needs("the shipped adapters",
+                 None if problem is None else f"do not fit this model ({problem.rstrip('.')})")
+
+
+def save_random_adapters(model: nn.Module, n: int, rank: int = 8, seed: int = 0,
+                         folder: str | os.PathLike | None = None) -> dict[str, Path]:
+    """``n`` random LoRA adapters on every linear layer of ``model``, saved as peft saves trained
+    ones (``adapter_config.json`` and ``adapter_model.safetensors``) in ``folder`` (a new
+    temporary folder by default); returns {name: folder}. They stand in for the shipped adapters
+    when those do not fit the model: what they write is noise. (Lesson 06.)"""
+    import copy
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from .quiet import quiet_stderr
+
+    if n < 1 or rank < 1:
+        raise ValueError(f"n and rank must be positive, got n={n}, rank={rank}")
+    conv1d = any(isinstance(m, Conv1D) for m in model.modules())   # GPT-2's weights: (in, out)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                        fan_in_fan_out=conv1d, init_lora_weights=False)
+    with quiet_stderr():
+        maker = get_peft_model(copy.deepcopy(model), config)   # peft wraps the copy's layers
+    root = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="random-adapters-"))
+    generator = torch.Generator().manual_seed(seed)
+    folders = {}
+    for i in range(n):
+        with torch.no_grad():        # fresh A (r, in) and B (out, r); B small: a nudge
+            for key, weight in maker.named_parameters():
+                if "lora_A" in key or "lora_B" in key:
+                    std = (1.0 if "lora_A" in key else 0.1) / weight.shape[1] ** 0.5
+                    weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+        folders[f"random{i}"] = root / f"random{i}"
+        maker.save_pretrained(folders[f"random{i}"])
+    return folders
+
+
+def adapter_folders(model: nn.Module) -> tuple[dict[str, Path], Needs]:
+    """The adapters to serve on ``model``: {name: folder} of the shipped ones when they fit,
+    else as many random ones of the right shapes (``save_random_adapters``), with the ``Needs``
+    that says which. (Lesson 06.)"""
+    needs = shipped_adapters_fit(model)
+    if needs.ok:
+        return {name: ADAPTERS_DIR / name for name in shipped_adapters()}, needs
+    return save_random_adapters(model, n=max(1, len(shipped_adapters()))), needs
 
 
 class MultiLora:

@@ -1,4 +1,5 @@
-"""Loading a causal language model and its tokenizer, ready for the lessons.
+"""Loading a causal language model and its tokenizer, ready for the lessons; ``Needs``, what
+some cells need that only the bundled model comes with.
 
 Introduced in lesson 01; every lesson starts with ``model, tokenizer = load_model()``.
 
@@ -126,3 +127,31 @@ def _from_pretrained(cls, path: str, **kwargs):
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+class Needs:
+    """What some of a lesson's cells need that only the bundled model comes with (the shipped
+    LoRA adapters, the course's draft), and why this model lacks it, if it does.
+
+    Made by ``helpers.lora.shipped_adapters_fit`` and ``helpers.speculative.course_draft``; a
+    cell that needs the thing starts with ``if not needs.missing("Section 6"):``, which prints
+    one line and returns True when the cell must skip. (Lessons 05-09.)
+    """
+
+    def __init__(self, what: str, problem: str | None = None):
+        self.what = what
+        self.problem = problem
+
+    @property
+    def ok(self) -> bool:
+        """True when the model has what these cells need."""
+        return self.problem is None
+
+    def missing(self, part: str) -> bool:
+        """True, after printing why, when ``part`` of the lesson must be skipped."""
+        if self.problem is not None:
+            print(f"{part}: skipped, {self.what} {self.problem}.")
+        return self.problem is not None
+
+    def __repr__(self) -> str:
+        return f"Needs({self.what!r}, {'ok' if self.ok else self.problem!r})"

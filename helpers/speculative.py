@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from .batching import model_context
+from .models import Needs, load_model
 
 #: Folder of the draft model trained for the bundled one (``scripts/train_draft.py``; its card
 #: is the README.md there). ``load_model(DRAFT_MODEL_DIR)`` loads it with its tokenizer.
@@ -395,3 +396,14 @@ def transformers_speculative(model, tokenizer, prompt: str, k: int = 4, draft=No
         tokens = tokens[:tokens.index(tokenizer.eos_token_id)]
     out.token_ids, out.text = tokens, tokenizer.decode(tokens)
     return out
+
+
+def course_draft(model, tokenizer):
+    """The course's draft model for ``model``, and the ``Needs`` that says whether it can serve:
+    (draft, needs), with draft None when it cannot. The draft was trained for the bundled model;
+    its guesses are token ids, which mean something only to a model with the same vocabulary,
+    and another model ($COURSE_MODEL) usually comes with a tokenizer of its own. (Lesson 09.)"""
+    draft, draft_tokenizer = load_model(DRAFT_MODEL_DIR, device=model.device)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or _vocab_size(draft) != _vocab_size(model):
+        return None, Needs("the course's draft", "does not share this model's tokenizer")
+    return draft, Needs("the course's draft")

@@ -10,7 +10,8 @@ import torch
 from helpers.corpus import task_examples, task_prompt
 from helpers.lora import (NO_ADAPTER, TOY_COLOURS, LoraLayer, MultiLora, MultiLoraLayer,
                           ToyModel, ToyMultiLoraModel, linear_lora_gathered, linear_lora_loop,
-                          load_adapters, random_adapters, shipped_adapters)
+                          load_adapters, random_adapters, save_random_adapters,
+                          shipped_adapters)
 
 from .conftest import random_llama
 
@@ -452,6 +453,40 @@ def test_adapter_mismatch_names_the_layer_that_does_not_fit(shipped, tiny_llama)
     assert "lacks" in reason or "shape mismatch" in reason
     with pytest.raises(ValueError, match="unknown adapter"):
         adapter_mismatch(model, "no-such-adapter")
+
+
+def test_shipped_adapters_fit_says_why_and_skips(bundled, tiny_llama, capsys):
+    """The bundled model needs nothing; on another model the Needs names the layer and a part
+    that needs the adapters prints one line and skips."""
+    from helpers import shipped_adapters_fit
+
+    fits = shipped_adapters_fit(bundled[0])
+    assert fits.ok and not fits.missing("Section 6")
+    assert capsys.readouterr().out == ""
+    other = shipped_adapters_fit(tiny_llama[0])
+    assert not other.ok and "do not fit this model" in other.problem
+    assert other.missing("Section 6")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("Section 6: skipped, the shipped adapters do not fit this model (")
+    assert "\n" not in line
+
+
+def test_adapter_folders_stand_in_random_adapters_of_the_right_shapes(bundled, tiny_llama):
+    """The shipped folders on the bundled model; on another model random peft adapters that
+    fit it, as many as ship, different from each other."""
+    from helpers import adapter_folders, adapter_mismatch
+
+    folders, needs = adapter_folders(bundled[0])
+    assert needs.ok and list(folders) == shipped_adapters()
+    other = tiny_llama[0]
+    folders, needs = adapter_folders(other)
+    assert not needs.ok and len(folders) == len(shipped_adapters())
+    assert all(adapter_mismatch(other, folder) is None for folder in folders.values())
+    first, second = (open(f / "adapter_model.safetensors", "rb").read()
+                     for f in list(folders.values())[:2])
+    assert first != second
+    with pytest.raises(ValueError, match="n and rank must be positive"):
+        save_random_adapters(other, n=0)
 
 
 def test_held_out_parts_of_free_text_answers():

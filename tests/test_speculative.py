@@ -115,6 +115,22 @@ def test_a_llama_draft_of_another_vocabulary_is_refused(llama_pair, bundled):
         speculative_generate(model, tokenizer, "Jack and Jill", DraftModelProposer(other))
 
 
+def test_course_draft_serves_the_bundled_model_only(bundled, llama_pair, capsys):
+    """The draft comes back for the bundled model; for a model whose tokenizer differs, None
+    and a Needs that skips with one line naming the tokenizer."""
+    from helpers import course_draft, load_tokenizer
+
+    model, tokenizer = bundled
+    draft, needs = course_draft(model, tokenizer)
+    assert draft is not None and needs.ok
+    other_tokenizer = load_tokenizer()
+    other_tokenizer.add_tokens(["<extra>"])
+    draft, needs = course_draft(model, other_tokenizer)
+    assert draft is None and needs.missing("Section 5")
+    assert capsys.readouterr().out == ("Section 5: skipped, the course's draft does not share "
+                                       "this model's tokenizer.\n")
+
+
 def _cache_tensors(cache):
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
