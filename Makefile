@@ -1,5 +1,6 @@
 # Efficiently Serving LLMs -- every target sets up what it needs from nothing.
-#   make lab      JupyterLab in lessons/ (creates .venv on first use)
+#   make lab      JupyterLab in lessons/ (creates .venv on first use, with only what lessons need)
+#   make check    is this laptop ready? imports, model, widgets, kernel, server, port (~30 s)
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
@@ -13,6 +14,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
+STAMP_LAB   := $(VENV)/.installed-lab
 # transformers 4.57: the helpers' unit tests run there too (make compat, part of make test)
 VENV_TF4    ?= .venv-tf4
 STAMP_TF4   := $(VENV_TF4)/.installed
@@ -41,18 +43,28 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
+.PHONY: lab check test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
 
-$(STAMP): pyproject.toml constraints.txt
+# Two layers in one .venv: what the lessons need (make lab, make check), then the test tools on
+# top (pytest, nbval, nbconvert, playwright: make test).
+$(STAMP_LAB): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt -e ".[lab,quant]"
 	# lorax-client declares pins (huggingface-hub<1, an old certifi) that would downgrade
 	# transformers; its code needs only aiohttp, pydantic and requests, installed above.
 	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt --no-deps lorax-client
 	@touch $@
 
-lab: $(STAMP)
+$(STAMP): $(STAMP_LAB)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) -c constraints.txt -e ".[dev]"
+	@touch $@
+
+lab: $(STAMP_LAB)
 	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=. $(ALLOW_ROOT)
+
+# The morning check of a workshop laptop: one line per item and a verdict, in about 30 s.
+check: $(STAMP_LAB)
+	$(PY) scripts/check_setup.py
 
 test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
