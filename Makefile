@@ -7,8 +7,8 @@
 #   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
 #   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
-#   make wheelhouse   download every wheel into wheelhouse/ for a room with no network;
-#                     then `make lab PIP_OPTS="--no-index --find-links wheelhouse"` there
+#   make wheelhouse   every wheel a laptop needs, for a room with no network (PLATFORM=
+#                     linux-x86_64, macos-arm64 or windows-amd64; PYVER=3.11.9)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -160,9 +160,16 @@ model: $(STAMP)
 	$(PY) scripts/train_tokenizer.py
 	$(PY) scripts/train_model.py
 
-wheelhouse:
-	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse ".[dev]" setuptools wheel
-	$(PYTHON) -m pip download --disable-pip-version-check -c constraints.txt -d wheelhouse --no-deps lorax-client
+# make wheelhouse PLATFORM=macos-arm64 PYVER=3.11.9: every wheel `make lab` installs, for laptops
+# of that platform and Python, in wheelhouse/<platform>-py311/ (scripts/wheelhouse.py says how
+# to install from it). Platforms: linux-x86_64 (CPU torch), macos-arm64, windows-amd64. uv
+# resolves the macOS and Windows sets (pip would read torch's Linux-only requirements there).
+PLATFORM    ?= linux-x86_64
+PYVER       ?= $(shell $(PYTHON) -c 'import sys; print("{0}.{1}.{2}".format(*sys.version_info))')
+TORCH_INDEX ?=
+wheelhouse: $(STAMP_LAB)
+	$(if $(filter linux-%,$(PLATFORM)),,$(PY) -m pip install --quiet --disable-pip-version-check uv)
+	$(PY) scripts/wheelhouse.py $(PLATFORM) --python $(PYVER) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX),)
 
 clean:
 	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) $(VENV_310) $(VENV_312) .pytest_cache build *.egg-info
