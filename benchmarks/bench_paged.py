@@ -40,7 +40,7 @@ from benchmarks.results_io import (load_average, machine, markdown_table, min_ma
 from benchmarks.timing import Candidate, time_in_turns
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
-from helpers.paged import PagedKVCache, generate_paged
+from helpers.paged import PagedKVCache, generate_paged, worst_inter_token_gap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
@@ -111,15 +111,9 @@ def prefix_ttft(model, tokenizer, reps):
 
 
 def worst_gap(trace, streams=3) -> float:
-    """The longest wait between two tokens of the first ``streams`` requests (their tokens
-    come at the end of each decode step they take part in)."""
-    clock, seen = 0.0, {rid: [] for rid in range(streams)}
-    for step in trace.steps:
-        clock += step.seconds
-        for rid in step.rows:
-            if rid in seen and step.kind == "decode":
-                seen[rid].append(clock)
-    return max(b - a for times in seen.values() for a, b in zip(times, times[1:]))
+    """The longest wait between two tokens of the first ``streams`` requests (lesson 08's
+    ``worst_inter_token_gap``, on the trace's own step times)."""
+    return worst_inter_token_gap(trace, range(streams))
 
 
 def chunked_prefill(model, tokenizer, reps):

@@ -40,6 +40,9 @@ from .batching import (
     model_context,
     position_ids_from_mask,
     static_decode_steps,
+    time_batch,
+    time_batch_sizes,
+    time_schedules,
     transformers_generate_batch,
 )
 from .generation import (
@@ -111,7 +114,8 @@ __all__ = [
     "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
     "generate_static", "ideal_decode_steps", "init_batch", "left_pad", "merge_batches",
     "model_context", "plot_timeline", "position_ids_from_mask", "static_decode_steps",
-    "transformers_generate_batch", "durations_figure", "finish_times", "timelines_figure",
+    "time_batch", "time_batch_sizes", "time_schedules", "transformers_generate_batch",
+    "durations_figure", "finish_times", "timelines_figure",
     # lesson 04: quantization
     "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",

@@ -728,3 +728,84 @@ def _check_requests(requests, tokenizer=None, model=None) -> None:
             raise ValueError(f"request {rid}: the prompt has {len(ids)} tokens and asks for {max_tokens} "
                              f"more, {len(ids) + max_tokens} in all, beyond the model's context of "
                              f"{context} tokens")
+
+
+# --- measurement harnesses of lessons 02 and 03 --------------------------------------------
+
+def time_batch(model, tokenizer, prompts: list[str], batch_size: int,
+               new_tokens: int = 10) -> dict:
+    """Time one batched generation of ``new_tokens`` tokens for each of ``batch_size`` rows.
+    (Lesson 02.)
+
+    The rows cycle through ``prompts``; EOS does not stop them, so every row makes exactly
+    ``new_tokens`` tokens. Returns a dict: ``batch`` (the batch size), ``latency`` (seconds for
+    the whole batch: what every request in it waits), ``ttft`` (seconds of the prefill),
+    ``tpot`` (mean seconds of a decode step; NaN when ``new_tokens`` is 1) and ``throughput``
+    (tokens per second, all rows together).
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+    _check_batch_size(batch_size)
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    rows = [prompts[i % len(prompts)] for i in range(batch_size)]
+    trace = Trace()
+    generate_batched(model, tokenizer, rows, max_new_tokens=new_tokens, stop_at_eos=False,
+                     trace=trace)
+    decode = [step.seconds for step in trace.steps if step.kind == "decode"]
+    return {"batch": batch_size, "latency": trace.seconds, "ttft": trace.steps[0].seconds,
+            "tpot": sum(decode) / len(decode) if decode else math.nan,
+            "throughput": batch_size * new_tokens / trace.seconds}
+
+
+def time_batch_sizes(model, tokenizer, prompts: list[str], batch_sizes: list[int],
+                     new_tokens: int = 10, rounds: int = 3, on_progress=None) -> list[dict]:
+    """Latency and throughput of batched generation at each batch size. (Lesson 02.)
+
+    Times ``time_batch`` for every size in ``batch_sizes``, going round all sizes ``rounds``
+    times, and keeps each size's fastest run: the one least disturbed by other programs
+    (going round, rather than repeating one size, spreads a burst of load over all sizes).
+    A small untimed run first pays the one-off costs. Returns one ``time_batch`` dict per size,
+    in the order of ``batch_sizes``.
+
+    ``on_progress(results)``, if given, is called with the results so far (sorted by batch
+    size) whenever a size gets its first result, and again after every later round: a live
+    plot redraws from it.
+    """
+    if (not isinstance(batch_sizes, (list, tuple)) or not batch_sizes
+            or len(set(batch_sizes)) != len(batch_sizes)):
+        raise ValueError(f"batch_sizes must be a non-empty list of different sizes, got {batch_sizes!r}")
+    for size in batch_sizes:
+        _check_batch_size(size)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    time_batch(model, tokenizer, prompts, min(batch_sizes), min(new_tokens, 2))   # warm-up
+    best = {}
+    for round_ in range(rounds):
+        for size in batch_sizes:
+            result = time_batch(model, tokenizer, prompts, size, new_tokens)
+            if size not in best or result["latency"] < best[size]["latency"]:
+                best[size] = result
+            if on_progress is not None and (round_ == 0 or size == batch_sizes[-1]):
+                on_progress([best[s] for s in sorted(best)])
+    return [best[size] for size in batch_sizes]
+
+
+def time_schedules(model, tokenizer, requests: list[Request], batch_size: int = 8, *,
+                   stop_at_eos: bool = True) -> dict[str, Trace]:
+    """Run the same requests with static, then with continuous batching, each with a ``Trace``.
+    (Lesson 03.)
+
+    Returns ``{"static": trace, "continuous": trace}``: the wall time (``trace.seconds``), the
+    steps and every answer's tokens (``trace.token_ids``) of each schedule, ready for
+    ``helpers.plots.durations_figure`` and ``timelines_figure``.
+    """
+    _check_requests(requests, tokenizer, model)
+    _check_batch_size(batch_size)
+    traces = {"static": Trace(), "continuous": Trace()}
+    for (name, trace), driver in zip(traces.items(), (generate_static, generate_continuous)):
+        driver(model, tokenizer, requests, batch_size=batch_size, progress=False,
+               stop_at_eos=stop_at_eos, trace=trace)
+    return traces

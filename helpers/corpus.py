@@ -280,3 +280,27 @@ def task_examples(task: str, seed: int, n: int) -> list[tuple[str, str]]:
         raise ValueError(f"unknown task {task!r}; the tasks are {sorted(TASKS)}")
     rng = random.Random(seed)
     return [TASKS[task](rng) for _ in range(n)]
+
+
+# --- a task for a few seconds of training (lesson 05) --------------------------------------
+#
+# No shipped adapter learned it. The shipped tasks copy names and animals from the sentence,
+# which the bundled model never learned to do (after "Ruby the" it guesses a place), so their
+# adapters trained for minutes. An object it does bring back: its stories say "found a red
+# ball" and later "picked up the red ball". So an adapter learns this task in a few dozen
+# steps: lesson 05 trains it and scores it on sentences the training never saw.
+
+def found_example(rng: random.Random) -> tuple[str, str]:
+    """A sentence from the world and what its characters found, written the way the entities
+    adapter writes its "object": ``"A red ball"``. (Lesson 05.)"""
+    s = _Story(rng)
+    return _task_sentence(s), s.obj.capitalize()
+
+
+def found_examples(seed: int, n: int) -> list[tuple[str, str]]:
+    """``n`` seeded (sentence, object found) pairs, the same sentences as
+    ``task_examples(task, seed, n)`` gives for every task. (Lesson 05.)"""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    rng = random.Random(seed)
+    return [found_example(rng) for _ in range(n)]

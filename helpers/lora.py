@@ -131,6 +131,84 @@ class ToyModel(nn.Module):
         return [TOY_COLOURS[int(i)] for i in ids]
 
 
+# --- lesson 05: an adapter trained with peft, as one call -----------------------------------
+
+def train_lora_adapter(model: nn.Module, tokenizer, examples, *, rank: int, lora_alpha: float,
+                       target_modules, steps: int, batch: int, lr: float, seed: int = 0):
+    """Lesson 05's training run in one call, for tests and scripts (the lesson writes the loop
+    out): LoRA by peft on ``model`` (its layers are wrapped in place), trained on ``examples``,
+    (prompt, answer) pairs, ``steps`` batches of ``batch`` in their order, with AdamW at ``lr``.
+    Each row is prompt + " " + answer + end-of-text, right-padded; the loss counts only the
+    answer and its end-of-text (the prompt's labels are -100). Dropout stays off (eval mode).
+    ``torch.manual_seed(seed)`` comes first, so peft draws the same ``A`` on every run.
+    ``target_modules`` is used on a GPT-2-style model (``Conv1D`` layers); other models get
+    ``"all-linear"``, as in the lesson. Returns (peft model, loss of every step). (Lesson 05.)"""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from .quiet import quiet_stderr
+
+    for name, value in (("rank", rank), ("steps", steps), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    examples = list(examples)
+    if len(examples) < steps * batch:
+        raise ValueError(f"{steps} steps of {batch} need {steps * batch} examples, "
+                         f"got {len(examples)}")
+    gpt2_style = any(isinstance(m, Conv1D) for m in model.modules())
+    config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=list(target_modules) if gpt2_style else "all-linear",
+                        fan_in_fan_out=gpt2_style)
+    torch.manual_seed(seed)
+    with quiet_stderr():
+        peft_model = get_peft_model(model, config)
+    device, eos = model.device, tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
+    peft_model.eval()                       # dropout off; gradients still flow
+    losses = []
+    for step in range(steps):
+        rows = []
+        for prompt, answer in examples[step * batch:(step + 1) * batch]:
+            prompt_ids = tokenizer(prompt).input_ids
+            target = tokenizer(" " + answer).input_ids + [eos]
+            rows.append((prompt_ids + target, [-100] * len(prompt_ids) + target))
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), eos, device=device)
+        labels = torch.full((len(rows), width), -100, device=device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        for i, (ids, labs) in enumerate(rows):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            labels[i, :len(labs)] = torch.tensor(labs)
+            mask[i, :len(ids)] = 1
+        logits = peft_model(input_ids=input_ids, attention_mask=mask).logits
+        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                           ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return peft_model, losses
+
+
+def count_right_answers(model: nn.Module, tokenizer, examples, max_new_tokens: int = 24) -> int:
+    """How many of ``examples``, (prompt, answer) pairs, ``model`` answers exactly: greedy, one
+    prompt at a time, the text after the prompt up to end-of-text, stripped. (Lesson 05.)"""
+    examples = list(examples)
+    if not examples:
+        raise ValueError("examples is empty: nothing to score")
+    right = 0
+    for prompt, expected in examples:
+        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        got = tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+        right += got.strip() == expected
+    return right
+
+
 # --- lesson 06: many adapters, one batch (the toy model) -----------------------------------
 
 def random_adapters(n: int, hidden: int = 1024, rank: int = 2, seed: int = 0,

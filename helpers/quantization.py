@@ -22,8 +22,9 @@ weight matrix of shape (rows, cols), ``axis=0`` gives each row its own range and
 each column. A single outlier then only coarsens its own channel, not the whole matrix.
 
 Besides the hand-made path this module has the helpers lesson 04 uses around it: a model's
-memory footprint, perplexity on held-out text, torchao's int8 weight-only path, and the
-memory-planning arithmetic (GPU memory rule of thumb, KV cache in fp16 versus int8).
+memory footprint, perplexity on held-out text, torchao's int8 weight-only path; and the
+memory-planning arithmetic (GPU memory rule of thumb, KV cache in fp16 versus int8) of the
+reading page that goes with the lesson, docs/memory-planning.md.
 """
 
 from __future__ import annotations
@@ -453,7 +454,8 @@ LLAMA2_70B = {"n_params": 70e9, "n_layers": 80, "hidden": 8192, "n_heads": 64, "
 
 def gpu_memory_estimate(n_params: float, bytes_per_param: float = 2) -> dict[str, float]:
     """The rule of thumb for serving a model: bytes of weights, and of GPU memory at least
-    (weights × 1.25) and recommended (weights × 1.5). (Lesson 04.)
+    (weights × 1.25) and recommended (weights × 1.5). (Lesson 04's reading page,
+    docs/memory-planning.md.)
 
     The 25-50 % on top is room for the KV cache, activations and the framework. At 16 bits
     (2 bytes a parameter) a 7B model needs at least 17.5 GB and better 21 GB.
@@ -468,7 +470,8 @@ def gpu_memory_estimate(n_params: float, bytes_per_param: float = 2) -> dict[str
 def kv_cache_plan(batches=(1, 16, 32, 64), seq_len: int = 1024,
                   model: dict | None = None) -> list[dict[str, float]]:
     """KV-cache bytes in fp16 and int8 for each batch size, with and without grouped-query
-    attention (GQA). (Lesson 04; the formula is lesson 01's ``kv_cache_bytes``.)
+    attention (GQA). (Lesson 04's reading page, docs/memory-planning.md; the formula is
+    lesson 01's ``kv_cache_bytes``.)
 
     model: a dict like ``LLAMA2_70B`` (the default) with n_layers, hidden, n_heads, kv_heads.
 

@@ -25,6 +25,10 @@ q = 1 for its guess.
 
 The target may be any causal LM of transformers with a ``DynamicCache`` (GPT-2, Llama-style
 models with grouped-query attention and rotary positions), also with a LoRA adapter on it.
+
+The lesson's measurements end the module: ``time_forward_passes`` (what a pass over n new
+tokens costs), ``time_plain`` and ``time_speculation`` (acceptance, tokens per verify and
+tokens/s against k, next to plain greedy decoding), ``time_against_transformers``.
 """
 
 from __future__ import annotations
@@ -407,3 +411,186 @@ def course_draft(model, tokenizer):
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or _vocab_size(draft) != _vocab_size(model):
         return None, Needs("the course's draft", "does not share this model's tokenizer")
     return draft, Needs("the course's draft")
+
+
+# --- the lesson's measurements --------------------------------------------------------------
+
+def _check_prompts(prompts) -> list[str]:
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+    return list(prompts)
+
+
+def _check_repeats(repeats) -> int:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    return repeats
+
+
+def _fastest(run, prompts, repeats):
+    """``run(prompt)`` for every prompt, ``repeats`` rounds taking turns; per prompt the run
+    with the least ``seconds`` (the one least disturbed by other work on the machine)."""
+    best = [None] * len(prompts)
+    for _ in range(repeats):
+        for i, prompt in enumerate(prompts):
+            result = run(prompt)
+            if best[i] is None or result.seconds < best[i].seconds:
+                best[i] = result
+    return best
+
+
+@torch.inference_mode()
+def time_forward_passes(model, prompt_ids, ns, rounds: int = 4, reps: int = 5) -> dict[int, float]:
+    """Seconds of one forward pass that feeds n new tokens after a KV cache holding
+    ``prompt_ids``, for each n in ``ns``: {n: seconds}. The cache is cropped back after every
+    pass, so each sees the same cache; each n keeps its fastest of ``rounds`` × ``reps``
+    passes, the rounds going over every n in turn (a busy moment of the machine cannot spoil
+    one n alone). What a verify pass over k guesses (k + 1 tokens) costs. (Lesson 09.)"""
+    ns = list(ns)
+    if not ns or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in ns):
+        raise ValueError(f"ns must be a non-empty list of token counts >= 1, got {ns!r}")
+    for name, value in (("rounds", rounds), ("reps", reps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    ids = torch.as_tensor(prompt_ids, device=model.device).view(1, -1)
+    if ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: the cache must hold at least one token")
+    cache = model(input_ids=ids, use_cache=True).past_key_values
+    seconds = {n: float("inf") for n in ns}
+    for _ in range(rounds):
+        for n in ns:
+            new = torch.ones(1, n, dtype=torch.long, device=model.device)
+            for _ in range(reps):
+                _sync(model.device)
+                start = time.perf_counter()
+                model(input_ids=new, past_key_values=cache, use_cache=True)
+                _sync(model.device)
+                seconds[n] = min(seconds[n], time.perf_counter() - start)
+                cache.crop(-n)
+    return seconds
+
+
+@dataclass
+class _Timed:
+    token_ids: list[int]
+    seconds: float
+
+
+def time_plain(model, tokenizer, prompts, max_new_tokens: int = 40, stop_at_eos: bool = False,
+               repeats: int = 1) -> dict:
+    """Plain greedy decoding (``helpers.generate_with_cache``) of every prompt, timed under
+    ``torch.inference_mode`` as ``speculative_generate`` runs. Returns ``tokens_per_second``
+    (all the answers' tokens over all their seconds), ``seconds_per_token`` and ``token_ids``
+    (one list per prompt). With ``repeats`` > 1 each prompt's fastest run counts. The yardstick
+    of ``time_speculation``. (Lesson 09.)"""
+    from .generation import generate_with_cache
+
+    prompts, repeats = _check_prompts(prompts), _check_repeats(repeats)
+
+    def run(prompt):
+        with torch.inference_mode():
+            out = generate_with_cache(model, tokenizer, prompt, max_new_tokens,
+                                      stop_at_eos=stop_at_eos)
+        return _Timed(out.token_ids, out.latency)
+
+    runs = _fastest(run, prompts, repeats)
+    tokens, seconds = sum(len(r.token_ids) for r in runs), sum(r.seconds for r in runs)
+    return dict(tokens_per_second=tokens / seconds, seconds_per_token=seconds / tokens,
+                token_ids=[r.token_ids for r in runs])
+
+
+def time_speculation(model, tokenizer, prompts, proposer, ks, max_new_tokens: int = 40,
+                     stop_at_eos: bool = False, repeats: int = 1, plain: dict | None = None
+                     ) -> dict[int, dict]:
+    """Greedy ``speculative_generate`` of every prompt with ``proposer`` at each k in ``ks``,
+    measured against plain greedy decoding (``plain``: what ``time_plain`` returned for the
+    same prompts and settings; measured here when None). (Lesson 09.)
+
+    Returns {k: measures}, the measures over all prompts together:
+
+    - ``acceptance``: accepted guesses / proposed guesses;
+    - ``alpha``: accepted / (accepted + rejections), the chance that one guess passes, as the
+      cost model uses it (every rejection ends a run of accepted guesses);
+    - ``tokens_per_verify``: (accepted guesses + verify passes) / verify passes;
+    - ``tokens_per_second`` and ``speedup`` (over plain decoding's tokens/s);
+    - ``seconds_per_guess`` (the proposer's time over its guesses: a draft step) and
+      ``seconds_per_verify`` (one verify pass), from the same runs;
+    - ``same_as_plain``: True when every answer has plain decoding's tokens;
+    - ``runs``: the ``Speculation`` of each prompt.
+
+    With ``repeats`` > 1 each prompt's fastest run counts.
+    """
+    prompts, repeats = _check_prompts(prompts), _check_repeats(repeats)
+    ks = list(ks)
+    if not ks or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+        raise ValueError(f"ks must be a non-empty list of integers >= 1 (tokens proposed per "
+                         f"verify), got {ks!r}")
+    if plain is None:
+        plain = time_plain(model, tokenizer, prompts, max_new_tokens, stop_at_eos, repeats)
+    elif not (isinstance(plain, dict) and len(plain.get("token_ids", ())) == len(prompts)):
+        raise ValueError(f"plain must be what time_plain returned for these {len(prompts)} "
+                         f"prompts")
+    results = {}
+    for k in ks:
+        runs = _fastest(lambda p: speculative_generate(model, tokenizer, p, proposer, k=k,
+                                                       max_new_tokens=max_new_tokens,
+                                                       stop_at_eos=stop_at_eos),
+                        prompts, repeats)
+        accepted, proposed = sum(r.accepted for r in runs), sum(r.proposed for r in runs)
+        rejections = sum(a < p for r in runs for p, a in r.steps)
+        passes = sum(r.verify_steps for r in runs)
+        tokens_per_second = sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
+        results[k] = dict(
+            acceptance=accepted / proposed if proposed else float("nan"),
+            alpha=accepted / (accepted + rejections) if accepted + rejections else float("nan"),
+            tokens_per_verify=(accepted + passes) / passes,
+            tokens_per_second=tokens_per_second,
+            speedup=tokens_per_second / plain["tokens_per_second"],
+            seconds_per_guess=(sum(r.propose_seconds for r in runs) / proposed
+                               if proposed else float("nan")),
+            seconds_per_verify=sum(r.verify_seconds for r in runs) / passes,
+            same_as_plain=[r.token_ids for r in runs] == plain["token_ids"],
+            runs=runs)
+    return results
+
+
+def time_against_transformers(model, tokenizer, prompts, proposer, k: int,
+                              max_new_tokens: int = 40, repeats: int = 1) -> dict:
+    """Our greedy speculation against transformers' doing the same (``transformers_speculative``:
+    assisted generation for a ``DraftModelProposer``, with its draft; prompt lookup for a
+    ``PromptLookupProposer``), same prompts, same k, both under ``torch.inference_mode``, after
+    one warm-up call of each. Returns ``ours`` and ``transformers`` (tokens/s over all prompts),
+    ``ratio`` (ours / theirs) and ``same_tokens`` (True when every answer is the same). With
+    ``repeats`` > 1 the two take turns and each prompt's fastest run counts. (Lesson 09.)"""
+    prompts, repeats = _check_prompts(prompts), _check_repeats(repeats)
+    if isinstance(proposer, DraftModelProposer):
+        draft = proposer.draft
+    elif isinstance(proposer, PromptLookupProposer):
+        draft = None
+    else:
+        raise ValueError(f"proposer must be a DraftModelProposer or a PromptLookupProposer "
+                         f"(what transformers can do too), got {type(proposer).__name__}")
+
+    def ours(prompt):
+        return speculative_generate(model, tokenizer, prompt, proposer, k=k,
+                                    max_new_tokens=max_new_tokens)
+
+    def theirs(prompt):
+        with torch.inference_mode():
+            return transformers_speculative(model, tokenizer, prompt, k=k, draft=draft,
+                                            max_new_tokens=max_new_tokens)
+
+    ours(prompts[0]), theirs(prompts[0])                  # warm-up of both paths
+    best = {"ours": [None] * len(prompts), "transformers": [None] * len(prompts)}
+    for _ in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for name, run in (("ours", ours), ("transformers", theirs)):
+                result = run(prompt)
+                if best[name][i] is None or result.seconds < best[name][i].seconds:
+                    best[name][i] = result
+    speed = {name: sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
+             for name, runs in best.items()}
+    return dict(ours=speed["ours"], transformers=speed["transformers"],
+                ratio=speed["ours"] / speed["transformers"],
+                same_tokens=([r.token_ids for r in best["ours"]]
+                             == [r.token_ids for r in best["transformers"]]))

@@ -642,3 +642,73 @@ def _escape(text):
     import re
 
     return re.escape(text)
+
+
+# --- the measurement harnesses of lessons 02 and 03 ------------------------------------------
+
+TIMING_KEYS = {"batch", "latency", "ttft", "tpot", "throughput"}
+
+
+def test_time_batch_returns_one_run_s_timings(tiny_gpt2):
+    from helpers import time_batch
+
+    model, tokenizer = tiny_gpt2
+    result = time_batch(model, tokenizer, ["Jack and Jill", "Humpty Dumpty sat"], 3, new_tokens=4)
+    assert set(result) == TIMING_KEYS and result["batch"] == 3
+    assert all(result[key] > 0 for key in ("latency", "ttft", "tpot", "throughput"))
+    one_token = time_batch(model, tokenizer, ["Jack and Jill"], 2, new_tokens=1)
+    assert one_token["tpot"] != one_token["tpot"]       # NaN: a single token has no decode step
+
+
+def test_time_batch_sizes_keeps_one_result_per_size_and_reports_progress(tiny_gpt2):
+    from helpers import time_batch_sizes
+
+    model, tokenizer = tiny_gpt2
+    seen = []
+    results = time_batch_sizes(model, tokenizer, ["Jack and Jill"], [4, 1, 2], new_tokens=3,
+                               rounds=2, on_progress=lambda so_far: seen.append(
+                                   [r["batch"] for r in so_far]))
+    assert [r["batch"] for r in results] == [4, 1, 2]
+    assert all(set(r) == TIMING_KEYS for r in results)
+    # every new size in the first round, then once after the second round
+    assert seen == [[4], [1, 4], [1, 2, 4], [1, 2, 4]]
+
+
+def test_time_schedules_runs_both_drivers(tiny_gpt2):
+    from helpers import time_schedules
+
+    model, tokenizer = tiny_gpt2
+    requests = [("Jack and Jill", 2), ("Humpty Dumpty sat", 5), ("The rain in Spain falls", 2)]
+    traces = time_schedules(model, tokenizer, requests, batch_size=2, stop_at_eos=False)
+    assert list(traces) == ["static", "continuous"]
+    assert traces["static"].driver == "static" and traces["continuous"].driver == "continuous"
+    assert traces["static"].token_ids == traces["continuous"].token_ids
+    assert [len(tokens) for tokens in traces["continuous"].token_ids] == [2, 5, 2]
+    assert traces["static"].decode_steps == static_decode_steps([2, 5, 2], 2)
+    assert traces["continuous"].decode_steps == ideal_decode_steps([2, 5, 2], 2)
+
+
+def test_the_harnesses_reject_bad_input(tiny_gpt2):
+    from helpers import time_batch, time_batch_sizes, time_schedules
+
+    model, tokenizer = tiny_gpt2
+    with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+        time_batch(model, tokenizer, [], 2)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        time_batch(model, tokenizer, ["Jack"], 0)
+    with pytest.raises(ValueError, match="new_tokens must be a positive integer"):
+        time_batch(model, tokenizer, ["Jack"], 1, new_tokens=0)
+    with pytest.raises(ValueError, match="batch_sizes must be a non-empty list"):
+        time_batch_sizes(model, tokenizer, ["Jack"], [])
+    with pytest.raises(ValueError, match="batch_sizes must be a non-empty list"):
+        time_batch_sizes(model, tokenizer, ["Jack"], [2, 2])
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        time_batch_sizes(model, tokenizer, ["Jack"], [1, -4])
+    with pytest.raises(ValueError, match="rounds must be a positive integer"):
+        time_batch_sizes(model, tokenizer, ["Jack"], [1], rounds=0)
+    with pytest.raises(ValueError, match="new_tokens must be a positive integer"):
+        time_batch_sizes(model, tokenizer, ["Jack"], [1], new_tokens=-1)
+    with pytest.raises(ValueError, match="requests is empty"):
+        time_schedules(model, tokenizer, [])
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        time_schedules(model, tokenizer, [("Jack", 2)], batch_size=0)

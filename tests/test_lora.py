@@ -504,3 +504,79 @@ def test_held_out_parts_of_free_text_answers():
     title = "The owl, the mouse and the jar of honey"
     rates = answer_part_rates(["The hen, the hen and the jar of honey", title], [title] * 2)
     assert rates == {"format": 1.0, "animals": 0.5, "object": 1.0}
+
+
+# --- lesson 05: the adapter the lesson trains in seconds --------------------------------------
+
+def lesson_05_recipe() -> dict:
+    """The ``recipe = dict(...)`` lesson 05 trains with, read from the notebook's own source, so
+    that the test below trains exactly what the lesson shows."""
+    import ast
+    from pathlib import Path
+
+    import nbformat
+
+    notebook = Path(__file__).resolve().parents[1] / "lessons" / "05_lora.ipynb"
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type != "code" or "recipe = dict(" not in cell.source:
+            continue
+        for node in ast.walk(ast.parse(cell.source)):
+            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id == "recipe"):
+                return {kw.arg: ast.literal_eval(kw.value) for kw in node.value.keywords}
+    raise AssertionError("lesson 05 has no `recipe = dict(...)` cell")
+
+
+def test_lesson_05_recipe_answers_most_held_out_sentences(one_thread):
+    """Lesson 05's recipe, trained on the bundled model as the lesson trains it (on one thread,
+    as there), answers at least 80 % of the lesson's held-out sentences exactly (none of them
+    in the training set)."""
+    from helpers import load_model
+    from helpers.corpus import found_examples
+    from helpers.lora import count_right_answers, train_lora_adapter
+
+    recipe = lesson_05_recipe()
+    assert set(recipe) == {"rank", "lora_alpha", "target_modules", "steps", "batch", "lr",
+                           "seed"}
+    model, tokenizer = load_model("bundled", device="cpu")   # trained in place: a fresh copy
+    train = found_examples(seed=1, n=recipe["steps"] * recipe["batch"])   # as in the lesson
+    held_out = found_examples(seed=7, n=20)
+    assert not {s for s, _ in held_out} & {s for s, _ in train}
+    peft_model, losses = train_lora_adapter(
+        model, tokenizer, [(task_prompt(s), a) for s, a in train], **recipe)
+    assert len(losses) == recipe["steps"] and losses[-1] < 0.1 * losses[0]
+    right = count_right_answers(peft_model, tokenizer,
+                                [(task_prompt(s), a) for s, a in held_out])
+    assert right >= 0.8 * len(held_out), f"{right}/{len(held_out)} held-out sentences right"
+
+
+def test_found_examples_share_the_tasks_sentences():
+    from helpers.corpus import found_examples
+
+    pairs = found_examples(seed=7, n=5)
+    assert [s for s, _ in pairs] == [s for s, _ in task_examples("title", seed=7, n=5)]
+    for sentence, found in pairs:
+        assert found[0].isupper() and f"found {found[0].lower()}{found[1:]}" in sentence
+    assert found_examples(seed=7, n=5) == pairs and found_examples(seed=8, n=5) != pairs
+    with pytest.raises(ValueError, match="n must be a non-negative integer"):
+        found_examples(seed=0, n=-1)
+
+
+def test_train_lora_adapter_and_count_right_answers_reject_bad_input(tiny_llama):
+    from helpers.lora import count_right_answers, train_lora_adapter
+
+    model, tokenizer = tiny_llama
+    recipe = dict(rank=2, lora_alpha=4, target_modules=["c_attn"], steps=2, batch=2, lr=1e-3)
+    with pytest.raises(ValueError, match="2 steps of 2 need 4 examples, got 1"):
+        train_lora_adapter(copy.deepcopy(model), tokenizer, [("Input: a\nOutput:", "b")], **recipe)
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        train_lora_adapter(copy.deepcopy(model), tokenizer, [], **(recipe | {"rank": 0}))
+    with pytest.raises(ValueError, match="lr must be positive"):
+        train_lora_adapter(copy.deepcopy(model), tokenizer, [], **(recipe | {"lr": 0}))
+    with pytest.raises(ValueError, match="examples is empty"):
+        count_right_answers(model, tokenizer, [])
+    # on a non-GPT-2 model the recipe's modules become "all-linear", as in the lesson
+    pairs = [("Input: Tom the fox.\nOutput:", "A red ball")] * 4
+    peft_model, losses = train_lora_adapter(copy.deepcopy(model), tokenizer, pairs, **recipe)
+    assert len(losses) == 2 and peft_model.peft_config["default"].target_modules
+    assert 0 <= count_right_answers(peft_model, tokenizer, pairs[:1], max_new_tokens=3) <= 1

@@ -5,7 +5,8 @@ contiguous one (``generate_continuous``), on the bundled GPT-2 model and on a ti
 Llama (rotary positions, 4 heads sharing 2 kv heads), with prefix caching and chunked prefill
 on and off, with LoRA adapters, and with a pool too small for everyone at once. After every
 run every block is free (or free and cached) and every reference count is zero. Then the
-block manager and the attention function are checked piece by piece.
+block manager and the attention function are checked piece by piece, and last the harnesses
+that lesson 08's measurements call (what they record, never how fast).
 """
 
 import random
@@ -21,6 +22,8 @@ from helpers.paged import (PAGED_ATTENTION, BlockManager, PagedBatch, PagedForwa
                            init_paged_batch, kv_shape, merge_paged_batches,
                            model_uses_paged_attention, paged_attention, paged_next_token,
                            pool_indices)
+from helpers.paged.measure import (fastest_step_times, padded_cache_widths, time_to_first_token,
+                                   ttft_one_after_another, worst_inter_token_gap)
 
 from .conftest import COURSE_PROMPTS
 
@@ -417,3 +420,81 @@ def test_bad_input_is_refused(models):
         generate_paged(model, tokenizer, [("Jack", 3)], adapters=[None, None])
     with pytest.raises(ValueError, match="either cache or num_blocks"):
         generate_paged(model, tokenizer, [("Jack", 3)], cache=cache, num_blocks=8)
+
+
+# --- lesson 08's measurements (helpers.paged.measure): what they record, not how fast -------
+
+def test_padded_cache_widths_records_lesson_03s_run(models):
+    model, tokenizer = models["bundled"]
+    queue = [(COURSE_PROMPTS[i % 5], 12 if i % 4 == 0 else 3) for i in range(8)]
+    token_ids, widths = padded_cache_widths(model, tokenizer, queue, batch_size=3)
+    trace = Trace()
+    generate_continuous(model, tokenizer, queue, batch_size=3, progress=False,
+                        stop_at_eos=False, trace=trace)
+    assert token_ids == trace.token_ids
+    assert len(widths) == trace.decode_steps
+    for width, real in widths:
+        assert 1 <= len(real) <= 3 and max(real) <= width
+    assert any(min(real) < width for _, real in widths)          # padding was carried
+    with pytest.raises(ValueError, match="batch_size"):
+        padded_cache_widths(model, tokenizer, queue, batch_size=0)
+
+
+def test_ttft_one_after_another_finds_the_shared_prefix(models):
+    model, tokenizer = models["bundled"]
+    prefix = " ".join([SYSTEM] * 3)
+    requests = [(prefix + " " + prompt, 2) for prompt in COURSE_PROMPTS[:3]]
+    cached, seconds, token_ids = ttft_one_after_another(model, tokenizer, requests, runs=2)
+    plain, plain_seconds, plain_ids = ttft_one_after_another(model, tokenizer, requests, runs=1,
+                                                             prefix_caching=False)
+    assert token_ids == plain_ids
+    assert len(seconds) == len(plain_seconds) == 3 and min(seconds + plain_seconds) > 0
+    assert plain.cached_tokens == 0 and cached.cached_tokens > 0   # requests 1 and 2 found it
+    assert cached.cached_tokens + cached.prefill_tokens == plain.prefill_tokens
+    assert_all_returned(cached)
+    with pytest.raises(ValueError, match="runs must be a positive integer"):
+        ttft_one_after_another(model, tokenizer, requests, runs=0)
+    with pytest.raises(ValueError, match="requests is empty"):
+        ttft_one_after_another(model, tokenizer, [])
+
+
+def test_fastest_step_times_keeps_each_steps_shortest_time(models):
+    model, tokenizer = models["tiny-llama"]
+    arrivals = [("Jack and Jill", 6), ("Humpty Dumpty sat", 6), ("What comes up must", 1),
+                (" ".join([SYSTEM] * 2), 2)]
+    trace, seconds = fastest_step_times(model, tokenizer, arrivals, runs=2, batch_size=2,
+                                        stop_at_eos=False, max_prefill_tokens=8)
+    assert len(seconds) == len(trace.steps)
+    assert all(0 < fastest <= step.seconds for fastest, step in zip(seconds, trace.steps))
+    whole = Trace()
+    generate_paged(model, tokenizer, arrivals, batch_size=2, stop_at_eos=False, trace=whole,
+                   progress=False)
+    assert trace.token_ids == whole.token_ids and trace.prefill_steps > whole.prefill_steps
+    with pytest.raises(ValueError, match="runs must be a positive integer"):
+        fastest_step_times(model, tokenizer, arrivals, runs=0)
+    with pytest.raises(ValueError, match="leave trace out"):
+        fastest_step_times(model, tokenizer, arrivals, trace=Trace())
+
+
+def test_worst_gap_and_time_to_first_token_on_a_trace_made_by_hand():
+    from helpers import Step
+
+    # Rows 0 and 1 stream; request 2's prompt is read in two chunks between their tokens.
+    steps = [Step("prefill", [0, 1], [0, 1], 1.0, 2), Step("decode", [0, 1], [0, 1], 0.5, 2),
+             Step("prefill", [2], [0, 1], 2.0, 0), Step("decode", [0, 1], [0, 1], 0.5, 2),
+             Step("prefill", [2], [0, 1], 1.0, 1), Step("decode", [0, 1, 2], [0, 1], 0.5, 3)]
+    trace = Trace(steps=steps)
+    # Tokens of rows 0 and 1 at 1.5, 4.0 and 5.5 s: the chunk of 2 s made the worst pause.
+    assert worst_inter_token_gap(trace, [0, 1]) == pytest.approx(2.5)
+    assert worst_inter_token_gap(trace, [0], seconds=[1] * 6) == pytest.approx(2.0)
+    # Request 2's prompt is read from 1.5 s to 5.0 s; request 0's from 0 to 1 s.
+    assert time_to_first_token(trace, 2) == pytest.approx(3.5)
+    assert time_to_first_token(trace, 0, seconds=[2] * 6) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="2 step times for a trace of 6 steps"):
+        worst_inter_token_gap(trace, [0], seconds=[1, 1])
+    with pytest.raises(ValueError, match="request_ids is empty"):
+        worst_inter_token_gap(trace, [])
+    with pytest.raises(ValueError, match="no gap to measure"):
+        worst_inter_token_gap(trace, [2])                  # one token only
+    with pytest.raises(ValueError, match="request 9 has no prefill pass"):
+        time_to_first_token(trace, 9)

@@ -802,3 +802,54 @@ def test_a_failing_model_fails_its_requests_not_the_server(tiny_llama, monkeypat
                              "error_type": "generation"}
     assert served.status_code == 200 and health.status_code == 200
     assert "/opt/secret" not in failed.text and "RuntimeError" not in failed.text
+
+
+def test_paged_engine_metrics_count_prefix_cache_hits(tiny_llama):
+    """On the paged KV cache, /metrics counts the prompt tokens looked up in the prefix cache
+    and those found: requests that share a long prefix, one after another, make the hit
+    counter grow by the prefix's full blocks. The pool's blocks show as gauges."""
+    from helpers.server import create_app
+    from helpers.server.paged_engine import PagedEngine
+
+    model, tokenizer = tiny_llama
+    prefix = "Once upon a time a little fox lived by the river and ran up the hill. " * 3
+    engine = PagedEngine(model, tokenizer, adapters_dir=None, max_batch_size=2,
+                         block_size=16).start()
+    app = create_app(engine, manage_engine=False)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            async def scrape():
+                text = (await client.get("/metrics")).text
+                return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
+                        for line in text.splitlines() if line and not line.startswith("#")}
+
+            pages = [await scrape()]
+            for prompt in COURSE_PROMPTS[:3]:
+                reply = await client.post("/generate", json={
+                    "inputs": prefix + prompt, "parameters": {"max_new_tokens": 2}})
+                assert reply.status_code == 200
+                pages.append(await scrape())
+            # The blocks go back to the pool just after the last token is handed out.
+            for _ in range(50):
+                if pages[-1]["kv_blocks_used"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+                pages[-1] = await scrape()
+            return pages
+
+    try:
+        pages = asyncio.run(main())
+    finally:
+        engine.stop()
+    lengths = [len(tokenizer(prefix + prompt)["input_ids"]) for prompt in COURSE_PROMPTS[:3]]
+    shared_blocks = len(tokenizer(prefix)["input_ids"]) // 16   # full blocks inside the prefix
+    assert shared_blocks >= 2
+    queries = [page["prefix_cache_queries"] for page in pages]
+    hits = [page["prefix_cache_hits"] for page in pages]
+    assert queries == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert hits[:2] == [0, 0]                                  # nothing cached yet
+    assert hits[2] - hits[1] >= 16 * shared_blocks and hits[3] - hits[2] >= 16 * shared_blocks
+    assert all(page["kv_blocks_total"] == engine.cache.manager.num_blocks for page in pages)
+    assert pages[-1]["kv_blocks_used"] == 0                    # all done: every block free

@@ -18,7 +18,8 @@ import torch
 from helpers import generate_with_cache, load_adapters, load_model
 from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
                                  Proposal, accept_or_resample, speculative_generate,
-                                 verify_greedy)
+                                 time_against_transformers, time_forward_passes, time_plain,
+                                 time_speculation, verify_greedy)
 
 from .conftest import COURSE_PROMPTS, random_llama
 
@@ -251,6 +252,80 @@ def test_sampling_is_seeded_and_runs_with_both_proposers(bundled, draft):
                                      max_new_tokens=30, temperature=1.0, seed=seed).token_ids
                 for seed in (0, 0, 1)]
         assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+# --- the lesson's measurements -----------------------------------------------------------
+# Structure and token identity only: the times themselves depend on the machine.
+
+MEASURED = ["Jack and Jill", "Humpty Dumpty sat on a wall. Humpty Dumpty had a great fall. "
+            "Humpty Dumpty sat"]
+
+
+def test_time_forward_passes_times_each_token_count(bundled):
+    model, tokenizer = bundled
+    ids = tokenizer("Once upon a time, there was a fox.")["input_ids"]
+    seconds = time_forward_passes(model, ids, [1, 3, 5], rounds=2, reps=2)
+    assert list(seconds) == [1, 3, 5] and all(0 < t < 10 for t in seconds.values())
+    for bad, words in ((dict(ns=[]), "ns"), (dict(ns=[0]), "ns"), (dict(rounds=0), "rounds"),
+                       (dict(reps=1.5), "reps"), (dict(prompt_ids=[]), "prompt_ids")):
+        args = dict(prompt_ids=ids, ns=[1]) | bad
+        with pytest.raises(ValueError, match=words):
+            time_forward_passes(model, args.pop("prompt_ids"), args.pop("ns"), **args)
+
+
+def test_time_plain_and_time_speculation_keep_plain_greedys_tokens(bundled, draft):
+    model, tokenizer = bundled
+    plain = time_plain(model, tokenizer, MEASURED, 16, stop_at_eos=False, repeats=2)
+    expected = [generate_with_cache(model, tokenizer, p, 16, stop_at_eos=False).token_ids
+                for p in MEASURED]
+    assert plain["token_ids"] == expected
+    assert plain["tokens_per_second"] > 0
+    assert plain["seconds_per_token"] == pytest.approx(1 / plain["tokens_per_second"])
+    keys = {"acceptance", "alpha", "tokens_per_verify", "tokens_per_second", "speedup",
+            "seconds_per_guess", "seconds_per_verify", "same_as_plain", "runs"}
+    for proposer in proposers(draft).values():
+        results = time_speculation(model, tokenizer, MEASURED, proposer, [1, 3], 16,
+                                   plain=plain)
+        assert list(results) == [1, 3]
+        for k, res in results.items():
+            assert set(res) == keys
+            assert res["same_as_plain"] and [r.token_ids for r in res["runs"]] == expected
+            assert 0 <= res["acceptance"] <= 1 and 0 <= res["alpha"] <= 1
+            assert 1 <= res["tokens_per_verify"] <= k + 1
+            assert res["speedup"] == pytest.approx(res["tokens_per_second"]
+                                                   / plain["tokens_per_second"])
+            accepted = sum(r.accepted for r in res["runs"])
+            passes = sum(r.verify_steps for r in res["runs"])
+            assert res["tokens_per_verify"] == pytest.approx((accepted + passes) / passes)
+    # without plain, it measures plain decoding itself; repeats keep each prompt's fastest run
+    alone = time_speculation(model, tokenizer, MEASURED[:1], PromptLookupProposer(), [2], 16,
+                             repeats=2)
+    assert alone[2]["same_as_plain"] and alone[2]["runs"][0].token_ids == expected[0]
+
+
+def test_time_against_transformers_gives_the_same_tokens(bundled, draft):
+    model, tokenizer = bundled
+    for proposer in proposers(draft).values():
+        result = time_against_transformers(model, tokenizer, MEASURED, proposer, 3, 16)
+        assert set(result) == {"ours", "transformers", "ratio", "same_tokens"}
+        assert result["same_tokens"] is True
+        assert result["ratio"] == pytest.approx(result["ours"] / result["transformers"])
+
+
+def test_the_measurements_refuse_bad_input(bundled):
+    model, tokenizer = bundled
+    lookup = PromptLookupProposer()
+    for prompts in ("Jack and Jill", [], ["Jack", 3]):
+        with pytest.raises(ValueError, match="prompts"):
+            time_plain(model, tokenizer, prompts)
+    with pytest.raises(ValueError, match="repeats"):
+        time_plain(model, tokenizer, MEASURED, repeats=0)
+    with pytest.raises(ValueError, match="ks"):
+        time_speculation(model, tokenizer, MEASURED, lookup, [0, 2])
+    with pytest.raises(ValueError, match="plain"):
+        time_speculation(model, tokenizer, MEASURED, lookup, [2], plain={"token_ids": [[1]]})
+    with pytest.raises(ValueError, match="proposer"):
+        time_against_transformers(model, tokenizer, MEASURED, "ngram", 2)
 
 
 # --- bad input -----------------------------------------------------------------------------

@@ -44,6 +44,13 @@ ENGINE_METRICS = {
     "waiting": ("gauge", "Requests waiting for a slot in the batch (the queue's length)."),
     "running": ("gauge", "Rows in the running batch."),
     "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (paged KV "
+                                        "cache with prefix caching only; 0 otherwise)."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache, whose keys and "
+                                     "values were not computed again (paged KV cache only)."),
+    "kv_blocks_used": ("gauge", "KV blocks held by running requests (paged KV cache only; free "
+                                "blocks may still hold cached prefixes)."),
+    "kv_blocks_total": ("gauge", "KV blocks in the pool (paged KV cache only; 0 otherwise)."),
     "prepared_held": ("gauge", "Requests the engine's process keeps prepared for submission "
                                "(with the engine in a process of its own)."),
 }

@@ -13,7 +13,8 @@ What changes for the requests:
 * the KV cache is a pool of blocks, sized so that ``max_batch_size`` requests of
   ``max_total_tokens`` always fit: a request admitted into a free slot never waits for blocks;
 * prompts that share a prefix (a system prompt, a few-shot preamble) share its blocks, and
-  only the rest is computed;
+  only the rest is computed (``/metrics`` counts the prompt tokens looked up in the prefix
+  cache and those found there, and shows the blocks in use);
 * a long prompt is read ``max_prefill_tokens`` tokens at a time, each chunk followed by a
   decode step of the running rows, so their streams do not freeze while it is read.
 
@@ -101,6 +102,9 @@ class PagedEngine(Engine):
                 break
             self._waiting.popleft()
             self._rows[handle.id] = _Row(handle)
+            if self.cache.prefix_caching:   # vLLM's prefix_cache_queries and _hits, in tokens
+                self.stats["prefix_cache_queries"] += len(prepared.input_ids)
+                self.stats["prefix_cache_hits"] += row.computed[0]
             new = merge_paged_batches(new, row)
         return new
 
@@ -159,6 +163,13 @@ class PagedEngine(Engine):
         for rid in list(self.cache.manager.tables):     # every block back to the pool
             self.cache.manager.free_request(rid)
         self._batch, self._new = PagedBatch.empty(), PagedBatch.empty()
+
+    def snapshot(self) -> dict:
+        """``Engine``'s counters and gauges, and the pool's: blocks held by requests and
+        blocks in all (the prefix-cache counters are in ``stats``, counted at admission)."""
+        manager = self.cache.manager
+        return {**super().snapshot(), "kv_blocks_used": manager.used,
+                "kv_blocks_total": manager.num_blocks}
 
     def info(self) -> dict:
         return {**super().info(), "kv_block_size": self.cache.block_size,
