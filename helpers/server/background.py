@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,10 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0
     host = options.get("host") or DEFAULTS["host"]
+    if options["port"] and not _port_is_free(host, options["port"]):
+        print(f"Port {options['port']} is in use (another program, or a server started "
+              f"earlier and still running): serving on a free port instead, see .url.")
+        options["port"] = 0
     flags = command_line(options)           # checks every name and value first
     with _LOCK:
         previous = _RUNNING.pop(name, None)
@@ -203,6 +208,19 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
 
 # The options, listed from the table in options.py (so that help() shows them all).
 serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + describe() + "\n"
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on (host, port): binding it succeeds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # as a server binds: a closed connection's TIME_WAIT does not count, a listener does
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def stop_all() -> None:
