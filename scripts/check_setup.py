@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -117,17 +116,6 @@ def check_kernel() -> str:
     return "a notebook kernel starts and imports helpers"
 
 
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # as a server binds: a closed connection's TIME_WAIT does not count, a listener does
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def check_server() -> tuple[str, int]:
     import httpx
 
@@ -150,6 +138,8 @@ def check_server() -> tuple[str, int]:
 
 
 def check_port(port: int) -> str:
+    from helpers.server.background import port_is_free
+
     if not port_is_free("127.0.0.1", port):
         raise Failed(f"port {port} is still taken after the server stopped: a server process "
                      f"was left behind (see docs/instructors.md, Pitfalls)")

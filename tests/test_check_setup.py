@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.server.background import port_is_free
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_setup.py"
 
 
@@ -36,10 +38,10 @@ def test_a_taken_port_is_reported(check_setup):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        assert not check_setup.port_is_free("127.0.0.1", port)
+        assert not port_is_free("127.0.0.1", port)
         with pytest.raises(check_setup.Failed, match=f"port {port} is still taken"):
             check_setup.check_port(port)
-    assert check_setup.port_is_free("127.0.0.1", port)
+    assert port_is_free("127.0.0.1", port)
 
 
 def _stub_checks(check_setup, monkeypatch, failing=()):

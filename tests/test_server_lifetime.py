@@ -9,7 +9,7 @@ import time
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from helpers.server.background import _port_is_free
+from helpers.server.background import port_is_free
 
 START = ("from helpers import serve_in_background\n"
          "server = serve_in_background(threads=1, max_batch_size=2{port})\n"
@@ -58,13 +58,13 @@ def kernel():
 def test_killing_the_kernel_stops_its_server_and_frees_the_port(kernel):
     manager, client = kernel
     pid, port = map(int, run(client, START.format(port="")).split()[-2:])
-    assert not _port_is_free("127.0.0.1", port)
+    assert not port_is_free("127.0.0.1", port)
     os.kill(manager.provisioner.process.pid, signal.SIGKILL)     # the kernel dies at once
     assert gone(pid), "the server outlived its kernel"
     deadline = time.monotonic() + 10
-    while not _port_is_free("127.0.0.1", port) and time.monotonic() < deadline:
+    while not port_is_free("127.0.0.1", port) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _port_is_free("127.0.0.1", port)
+    assert port_is_free("127.0.0.1", port)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the server exit")

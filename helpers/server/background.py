@@ -176,7 +176,7 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0
     host = options.get("host") or DEFAULTS["host"]
-    if options["port"] and not _port_is_free(host, options["port"]):
+    if options["port"] and not port_is_free(host, options["port"]):
         print(f"Port {options['port']} is in use (another program, or a server started "
               f"earlier and still running): serving on a free port instead, see .url.")
         options["port"] = 0
@@ -210,8 +210,9 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
 serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + describe() + "\n"
 
 
-def _port_is_free(host: str, port: int) -> bool:
-    """True when nothing listens on (host, port): binding it succeeds."""
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on (host, port): binding it succeeds. (Lesson 07; `make
+    check` uses it to see that a stopped server gave its port back.)"""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # as a server binds: a closed connection's TIME_WAIT does not count, a listener does
