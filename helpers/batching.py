@@ -699,9 +699,14 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def _check_positive_int(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (True is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_positive_int("batch_size", batch_size)
 
 
 def _check_requests(requests, tokenizer=None, model=None) -> None:
@@ -746,8 +751,7 @@ def time_batch(model, tokenizer, prompts: list[str], batch_size: int,
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     _check_batch_size(batch_size)
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    _check_positive_int("new_tokens", new_tokens)
     rows = [prompts[i % len(prompts)] for i in range(batch_size)]
     trace = Trace()
     generate_batched(model, tokenizer, rows, max_new_tokens=new_tokens, stop_at_eos=False,
@@ -777,10 +781,8 @@ def time_batch_sizes(model, tokenizer, prompts: list[str], batch_sizes: list[int
         raise ValueError(f"batch_sizes must be a non-empty list of different sizes, got {batch_sizes!r}")
     for size in batch_sizes:
         _check_batch_size(size)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    _check_positive_int("rounds", rounds)
+    _check_positive_int("new_tokens", new_tokens)
     time_batch(model, tokenizer, prompts, min(batch_sizes), min(new_tokens, 2))   # warm-up
     best = {}
     for round_ in range(rounds):

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..batching import (Batch, Request, Trace, cache_layers, filter_batch, generate_next_token,
-                        init_batch, merge_batches)
+from ..batching import (Batch, Request, Trace, _check_batch_size, _check_positive_int,
+                        cache_layers, filter_batch, generate_next_token, init_batch,
+                        merge_batches)
 from .batching import PagedKVCache, generate_paged
-
-
-def _check_runs(runs) -> None:
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be a positive integer, got {runs!r}")
 
 
 def padded_cache_widths(model, tokenizer, requests: list[Request], batch_size: int = 8):
@@ -30,8 +26,7 @@ def padded_cache_widths(model, tokenizer, requests: list[Request], batch_size: i
     step ``(width, real)``: the width of the cache tensor (positions per row) and the number
     of real tokens in each row's cache (its prompt and answer so far, no padding).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_batch_size(batch_size)
     if not requests:
         raise ValueError("requests is empty: give at least one (prompt, max_tokens) pair")
     waiting, answers = deque(range(len(requests))), [None] * len(requests)
@@ -76,7 +71,7 @@ def ttft_one_after_another(model, tokenizer, requests: list[Request], *,
     ``prefill_tokens``, ``cached_tokens``, ``manager.hit_blocks``...), each request's fastest
     time to first token, and each answer's token ids.
     """
-    _check_runs(runs)
+    _check_positive_int("runs", runs)
     if not requests:
         raise ValueError("requests is empty: give at least one (prompt, max_tokens) pair")
     best = [float("inf")] * len(requests)
@@ -101,7 +96,7 @@ def fastest_step_times(model, tokenizer, requests: list[Request], runs: int = 3,
     Every run takes the same steps with the same rows (the scheduler does not look at the
     clock): a ``RuntimeError`` says so if they ever differ.
     """
-    _check_runs(runs)
+    _check_positive_int("runs", runs)
     if "trace" in options:
         raise ValueError("fastest_step_times makes its own traces: leave trace out")
     options.setdefault("progress", False)
