@@ -5,6 +5,7 @@
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
 #   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
+#   make slides   every lesson as a reveal.js deck in slides/, one HTML file that needs no network
 #   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
 #   make wheelhouse   every wheel a laptop needs, for a room with no network (PLATFORM=
@@ -43,7 +44,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab check test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
+.PHONY: lab check slides test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
 
 # Two layers in one .venv: what the lessons need (make lab, make check), then the test tools on
 # top (pytest, nbval, nbconvert, playwright: make test).
@@ -61,6 +62,12 @@ $(STAMP): $(STAMP_LAB)
 
 lab: $(STAMP_LAB)
 	cd lessons && ../$(VENV)/bin/jupyter lab --port=$(PORT) --ServerApp.root_dir=. $(ALLOW_ROOT)
+
+# The lessons as slides (what RISE shows in JupyterLab, as files): slides/NN_*.slides.html, each
+# with reveal.js, MathJax and its images inside; reveal.js and MathJax come from the npm registry
+# once (wheelhouse/npm/). Which cells are slides is in the lessons (scripts/slides.py).
+slides: $(STAMP_LAB)
+	$(PY) scripts/slides.py
 
 # The morning check of a workshop laptop: one line per item and a verdict, in about 30 s.
 check: $(STAMP_LAB)
@@ -170,6 +177,8 @@ TORCH_INDEX ?=
 wheelhouse: $(STAMP_LAB)
 	$(if $(filter linux-%,$(PLATFORM)),,$(PY) -m pip install --quiet --disable-pip-version-check uv)
 	$(PY) scripts/wheelhouse.py $(PLATFORM) --python $(PYVER) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX),)
+	# reveal.js and MathJax for `make slides` (wheelhouse/npm/, the same for every platform)
+	$(PY) scripts/slides.py --fetch-only
 
 clean:
 	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) $(VENV_310) $(VENV_312) .pytest_cache build *.egg-info

@@ -1,6 +1,8 @@
 """Write the shared pieces into every lesson: the Colab badge under the title, the Colab setup
 cell first among the code cells (collapsed in Colab and JupyterLab), kernel and Colab
-metadata (GPU runtime).
+metadata (GPU runtime). Also two rules of form: a heading (#, ## or ###) always begins its
+markdown cell (text before it is left in a cell of its own), and every cell carries its slide
+type, from scripts/slides.py (what RISE and `make slides` present).
 
     python scripts/sync_notebooks.py            # rewrite lessons/*.ipynb in place
     python scripts/sync_notebooks.py --check    # exit 1 if a lesson is out of step
@@ -11,6 +13,7 @@ Run it after changing the Repository address in pyproject.toml, then `make execu
 import argparse
 import json
 import pathlib
+import re
 import sys
 
 import nbformat
@@ -18,12 +21,40 @@ import nbformat
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from notebook_setup import (COLAB_CELL_METADATA, ROOT, binder_badge, colab_badge,  # noqa: E402
                             colab_cell, repo_url)
+from slides import mark as mark_slides  # noqa: E402
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
 
 def lines(text: str) -> list[str]:
     out = text.splitlines(keepends=True)
+    return out
+
+
+def split_at_headings(cells: list) -> list:
+    """Markdown cells cut so that a heading line (outside a fenced code block) starts a cell.
+
+    The piece after a cut gets the cell's id with `-` and the heading's line number, so the
+    same lesson always gives the same ids."""
+    out = []
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            out.append(cell)
+            continue
+        text = "".join(cell["source"]).split("\n")
+        cuts, fenced = [], False
+        for number, line in enumerate(text):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif number and not fenced and re.match(r"#{1,3} ", line):
+                cuts.append(number)
+        for start, stop in zip([0] + cuts, cuts + [len(text)]):
+            piece = "\n".join(text[start:stop]).strip("\n")
+            if start == 0:
+                new = dict(cell, source=lines(piece))
+            else:
+                new = nbformat.v4.new_markdown_cell(piece, id=f"{cell.get('id', 'md')}-{start}")
+            out.append(new)
     return out
 
 
@@ -44,6 +75,8 @@ def sync(nb: dict, name: str) -> dict:
         code = 1
         cells.insert(code, nbformat.v4.new_code_cell(source))
     cells[code].setdefault("metadata", {}).update(COLAB_CELL_METADATA)
+    nb["cells"] = split_at_headings(cells)
+    mark_slides(nb)
     md = nb.setdefault("metadata", {})
     md["kernelspec"] = KERNELSPEC
     md["accelerator"] = "GPU"

@@ -14,11 +14,16 @@ just before pytest's own summary and written to results/browser/summary.json.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
 REPORT = pytest.StashKey[list]()
 
 
@@ -39,6 +44,24 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_configure(config):
     config.stash[REPORT] = []
+
+
+@pytest.fixture(scope="session")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("Playwright is not installed: .venv/bin/pip install playwright "
+                    "(never `playwright install`; the test uses Debian's Chromium)")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/browser_setup.sh "
+                    "(apt-get install chromium) or set CHROMIUM")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
 
 
 @pytest.fixture(scope="session")

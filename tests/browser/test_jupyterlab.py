@@ -50,10 +50,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = Path(os.environ.get("COURSE_BROWSER_LESSONS") or ROOT / "lessons").resolve()
 RESULTS = ROOT / "results" / "browser"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 LESSON_TIMEOUT = float(os.environ.get("BROWSER_LESSON_TIMEOUT", "300"))
 SERVER_START_TIMEOUT = 180.0
 OPEN_TIMEOUT = 180.0         # page load + JupyterLab start-up + kernel start
@@ -297,24 +293,6 @@ def lab():
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("Playwright is not installed: .venv/bin/pip install playwright "
-                    "(never `playwright install`; the test uses Debian's Chromium)")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/browser_setup.sh "
-                    "(apt-get install chromium) or set CHROMIUM")
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 # -- in the page ---------------------------------------------------------------------------
