@@ -21,88 +21,35 @@ checks every import in the package against it, imports inside functions included
     9. helpers                       this file: the names the lessons import
 """
 
-from .batching import (
-    Batch,
-    Step,
-    Trace,
-    cache_from_layers,
-    cache_layers,
-    filter_batch,
-    generate_batched,
-    generate_continuous,
-    generate_next_token,
-    generate_sequential,
-    generate_static,
-    ideal_decode_steps,
-    init_batch,
-    left_pad,
-    merge_batches,
-    model_context,
-    position_ids_from_mask,
-    static_decode_steps,
-    time_batch,
-    time_batch_sizes,
-    time_schedules,
-    transformers_generate_batch,
-)
-from .generation import (
-    Generation,
-    cache_nbytes,
-    generate_no_cache,
-    generate_with_cache,
-    kv_cache_bytes,
-    kv_cache_bytes_for,
-    next_token_candidates,
-)
-from .lora import (
-    ADAPTERS_DIR,
-    NO_ADAPTER,
-    TOY_COLOURS,
-    LoraLayer,
-    MultiLora,
-    MultiLoraLayer,
-    ToyModel,
-    adapter_mismatch,
-    ToyMultiLoraModel,
-    linear_lora_gathered,
-    linear_lora_loop,
-    load_adapters,
-    adapter_folders,
-    random_adapters,
-    save_random_adapters,
-    shipped_adapters,
-    shipped_adapters_fit,
-)
-from .models import (
-    BUNDLED_MODEL_DIR,
-    MODEL_ENV_VAR,
-    Needs,
-    load_model,
-    load_tokenizer,
-    resolve_model_name,
-)
-from .quantization import (
-    LLAMA2_70B,
-    QuantState,
-    conv1d_to_linear,
-    dequantize,
-    dequantize_model,
-    footprint,
-    gpu_memory_estimate,
-    kv_cache_plan,
-    perplexity,
-    quantization_errors,
-    quantize,
-    quantize_model,
-    torchao_int8_weight_only,
-)
-from .paged import BlockManager, PagedKVCache, PoolExhausted, generate_paged
-from .plots import durations_figure, finish_times, plot_timeline, timelines_figure
-from .quiet import import_torchao, quiet_stderr
-from .speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
-                          course_draft, speculative_generate)
-from .server import serve_in_background
-from .widgets import LivePlot, rerun_controls, show_diagram, show_figure
+#: Where each name lives. ``from helpers import load_model`` imports that name's module on
+#: first use (PEP 562's module ``__getattr__``), so that importing one sub-package, such as
+#: the server's HTTP side (``helpers.server``, which needs no torch), does not import them all.
+_EXPORTS = {
+    "batching": ["Batch", "Step", "Trace", "cache_from_layers", "cache_layers", "filter_batch",
+        "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
+        "generate_static", "ideal_decode_steps", "init_batch", "left_pad", "merge_batches",
+        "model_context", "position_ids_from_mask", "static_decode_steps", "time_batch",
+        "time_batch_sizes", "time_schedules", "transformers_generate_batch"],
+    "generation": ["Generation", "cache_nbytes", "generate_no_cache", "generate_with_cache",
+        "kv_cache_bytes", "kv_cache_bytes_for", "next_token_candidates"],
+    "lora": ["ADAPTERS_DIR", "NO_ADAPTER", "TOY_COLOURS", "LoraLayer", "MultiLora",
+        "MultiLoraLayer", "ToyModel", "adapter_mismatch", "ToyMultiLoraModel",
+        "linear_lora_gathered", "linear_lora_loop", "load_adapters", "adapter_folders",
+        "random_adapters", "save_random_adapters", "shipped_adapters", "shipped_adapters_fit"],
+    "models": ["BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Needs", "load_model", "load_tokenizer",
+        "resolve_model_name"],
+    "quantization": ["LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize",
+        "dequantize_model", "footprint", "gpu_memory_estimate", "kv_cache_plan", "perplexity",
+        "quantization_errors", "quantize", "quantize_model", "torchao_int8_weight_only"],
+    "paged": ["BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged"],
+    "plots": ["durations_figure", "finish_times", "plot_timeline", "timelines_figure"],
+    "quiet": ["import_torchao", "quiet_stderr"],
+    "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
+        "course_draft", "speculative_generate"],
+    "server": ["serve_in_background"],
+    "widgets": ["LivePlot", "rerun_controls", "show_diagram", "show_figure"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "Needs", "LivePlot", "cache_nbytes",
@@ -145,3 +92,17 @@ def seed_everything(seed: int = 0) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'helpers' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value          # the next access finds it at once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

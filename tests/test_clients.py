@@ -550,7 +550,7 @@ def test_stop_sequence_is_cut_from_logprobs(oai, greedy, stop):
 # --- the chat template ----------------------------------------------------------------------------
 
 def test_the_bundled_tokenizer_ships_a_chat_template(bundled):
-    from helpers.server.chat import render
+    from helpers.server.tokens import render_chat as render
 
     tokenizer = bundled[1]
     assert tokenizer.chat_template

@@ -3,8 +3,8 @@ what each setting promises, and one broken row never hurts the others.
 
 Two engines run for this module on their own copies of the bundled model: ``Engine`` (lesson
 03's contiguous cache) and ``PagedEngine`` (lesson 08's paged cache, prefix caching and chunked
-prefill). Requests go in through ``prepare``/``submit`` and their events are read from asyncio
-queues, as the HTTP side does.
+prefill). Requests go in through ``submit`` and their events are read from asyncio queues, as
+the HTTP side does.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ import torch
 
 from helpers import generate_sequential, load_model
 from helpers.lora import ADAPTERS_DIR
+from helpers.server import admission as admission_module
 from helpers.server import engine as engine_module
 from helpers.server import sampling
-from helpers.server.engine import Engine, ErrorEvent, PromptEvent, TokenEvent
+from helpers.server.contract import (ErrorEvent, GenerationParams, PromptEvent, Submission,
+                                     TokenEvent)
+from helpers.server.engine import Engine
 from helpers.server.errors import (GenerationFailed, InvalidRequest, Overloaded, TooLarge,
                                    Unavailable)
 from helpers.server.paged_engine import PagedEngine
-from helpers.server.protocol import GenerationParams
 
 from .conftest import COURSE_PROMPTS
 
@@ -57,6 +59,18 @@ def engine(request):
     engine.stop()
 
 
+def sink_to(loop, queue):
+    """A submission's sink that puts its ``(sequence, event)`` pairs on an asyncio queue."""
+    def put(events):
+        loop.call_soon_threadsafe(lambda: [queue.put_nowait(e) for e in events])
+    return put
+
+
+def admit(engine, prompt, params):
+    """What the engine's admission makes of one prompt (``admission.Admitted``)."""
+    return engine.admission.admit(Submission(params, [prompt]))[0]
+
+
 def run(engine, requests, timeout: float = 120.0) -> list[list]:
     """Submit ``(prompt, params)`` pairs at once; each request's events, in order."""
     async def main():
@@ -64,7 +78,7 @@ def run(engine, requests, timeout: float = 120.0) -> list[list]:
         queues = []
         for prompt, params in requests:
             queue = asyncio.Queue()
-            engine.submit(engine.prepare(prompt, params), loop, queue)
+            engine.submit(Submission(params, [prompt]), sink_to(loop, queue))
             queues.append(queue)
         results = []
         for queue in queues:
@@ -85,7 +99,7 @@ def tokens_of(events) -> list[int]:
     """The generated token ids, without the EOS that ended the answer (if one did)."""
     ids = [e.token["id"] for e in events if isinstance(e, TokenEvent) and e.token is not None]
     last = events[-1]
-    if isinstance(last, TokenEvent) and last.finish["finish_reason"] == "eos_token":
+    if isinstance(last, TokenEvent) and last.finish.reason == "eos_token":
         ids = ids[:-1]
     return ids
 
@@ -109,7 +123,7 @@ def test_greedy_equals_generate_sequential(engine, reference):
     for (prompt, params), events in zip(requests, results):
         finish = events[-1].finish
         want = generate_sequential(*reference, [(prompt, params.max_new_tokens)])[0]
-        assert finish["generated_text"] == want, prompt
+        assert finish.text == want, prompt
         text = tokenizer.decode([t for t in tokens_of(events) if t != tokenizer.eos_token_id])
         assert text == want
 
@@ -139,7 +153,7 @@ def test_ignore_eos_gives_every_token(engine, reference):
     want = generate_sequential(model, tokenizer, [("What comes up must", 30)],
                                stop_at_eos=False)[0]
     assert len(tokens_of(events)) == 30
-    assert events[-1].finish["generated_text"] == want
+    assert events[-1].finish.text == want
 
 
 # --- prompt scoring, prefill only, token-id prompts -----------------------------------------
@@ -172,9 +186,9 @@ def test_max_new_tokens_zero_reads_the_prompt_only(engine):
     assert isinstance(scored[0], PromptEvent) and len(scored) == 2
     for last in (scored[-1], plain[-1]):
         assert last.token is None
-        assert last.finish["generated_tokens"] == 0
-        assert last.finish["finish_reason"] == "length"
-        assert last.finish["generated_text"] == ""
+        assert last.finish.generated_tokens == 0
+        assert last.finish.reason == "length"
+        assert last.finish.text == ""
     assert len(plain) == 1
 
 
@@ -184,13 +198,13 @@ def test_token_id_prompts(engine, reference):
     params = GenerationParams(max_new_tokens=6)
     by_text, by_ids = run(engine, [("The quick brown fox", params), (ids, params)])
     assert tokens_of(by_ids) == tokens_of(by_text)
-    assert engine.prepare(ids, params).prompt == "The quick brown fox"
+    assert admit(engine, ids, params).text == "The quick brown fox"
     for bad in ([], [0, engine.vocab_size], [-1], [1.5], [True]):
         with pytest.raises(InvalidRequest):
-            engine.prepare(bad, params)
+            admit(engine, bad, params)
     with pytest.raises(InvalidRequest, match="at most"):
-        engine.prepare([1] * (engine.max_input_tokens + 1), params)
-    kept = engine.prepare([1] * 300, GenerationParams(max_new_tokens=1, truncate=10))
+        admit(engine, [1] * (engine.max_input_tokens + 1), params)
+    kept = admit(engine, [1] * 300, GenerationParams(max_new_tokens=1, truncate=10))
     assert kept.input_ids == [1] * 10
 
 
@@ -207,7 +221,7 @@ def test_logit_bias_moves_the_greedy_token(engine, reference):
                                                     logit_bias={other: 100.0}))])[0]
     assert tokens_of(events) == [other]
     with pytest.raises(InvalidRequest, match="logit_bias"):
-        engine.prepare(prompt, GenerationParams(logit_bias={engine.vocab_size: 1.0}))
+        admit(engine, prompt, GenerationParams(logit_bias={engine.vocab_size: 1.0}))
 
 
 def test_penalties_follow_their_formulas():
@@ -324,7 +338,7 @@ def test_a_row_whose_grammar_breaks_fails_alone(engine, reference, monkeypatch):
         def apply(self, logits, budget=None):
             raise MemoryError("the grammar engine gave up")
 
-    monkeypatch.setattr(engine.grammars, "compile", lambda kind, value: Broken())
+    monkeypatch.setattr(engine.admission.grammars, "compile", lambda kind, value: Broken())
     grammar = GenerationParams(max_new_tokens=4, grammar=("regex", "[a-z]+"))
     results = run(engine, [("Jack and Jill", grammar),
                            ("Humpty Dumpty sat", GenerationParams(max_new_tokens=5))])
@@ -344,54 +358,53 @@ def test_check_finite():
 
 def test_a_huge_prompt_is_refused_before_tokenizing(engine, monkeypatch):
     calls = []
-    real = engine._encoder
+    real = engine.admission._encoder
+    encode_text = admission_module.encode_text
 
-    class Spy:
-        def encode(self, text, **kwargs):
-            calls.append(len(text))
-            return real.encode(text, **kwargs)
+    def spy(tokenizer, text, *args, **kwargs):
+        calls.append(len(text))
+        return encode_text(tokenizer, text, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_encoder", Spy())
+    monkeypatch.setattr(admission_module, "encode_text", spy)
     huge = "Jack and Jill went up the hill. " * 32_768          # 1 MiB
     with pytest.raises(InvalidRequest, match="at most 128 tokens"):
-        engine.prepare(huge, GenerationParams(max_new_tokens=4))
+        admit(engine, huge, GenerationParams(max_new_tokens=4))
     assert calls == []
     # With truncate only the end is tokenized, and the tokens kept are the end's.
-    prepared = engine.prepare(huge, GenerationParams(max_new_tokens=4, truncate=20))
+    prepared = admit(engine, huge, GenerationParams(max_new_tokens=4, truncate=20))
     assert calls and calls[0] < 1000
     assert prepared.input_ids == real.encode(huge[-200:]).ids[-20:]
     # A prompt just over the token limit is tokenized and refused by its token count.
     with pytest.raises(InvalidRequest, match="given: 1[0-9][0-9] tokens"):
-        engine.prepare("Jack and Jill " * 60, GenerationParams(max_new_tokens=4))
+        admit(engine, "Jack and Jill " * 60, GenerationParams(max_new_tokens=4))
 
 
 def test_scoring_a_prompt_is_bounded_in_memory(engine, monkeypatch):
     """The logits kept to score a prompt grow with its length times the vocabulary: beyond
     MAX_SCORING_BYTES the request is refused before anything runs."""
-    per_token = engine.vocab_size * 4 * engine_module.SCORING_COPIES
-    monkeypatch.setattr(engine_module, "MAX_SCORING_BYTES", 5 * per_token)
+    per_token = engine.vocab_size * 4 * admission_module.SCORING_COPIES
+    monkeypatch.setattr(admission_module, "MAX_SCORING_BYTES", 5 * per_token)
     scoring = GenerationParams(max_new_tokens=0, prompt_logprobs=True)
-    engine.prepare([5] * 5, scoring)                                   # at the bound
+    admit(engine, [5] * 5, scoring)                                   # at the bound
     with pytest.raises(TooLarge, match="at most 5 prompt tokens"):
-        engine.prepare([5] * 6, scoring)
-    engine.prepare([5] * 6, GenerationParams(max_new_tokens=0))        # not scored: no bound
+        admit(engine, [5] * 6, scoring)
+    admit(engine, [5] * 6, GenerationParams(max_new_tokens=0))        # not scored: no bound
 
 
 def test_limits_raise_engine_errors(reference):
     model, tokenizer = load_model(device="cpu")
     engine = Engine(model, tokenizer, max_batch_size=1, max_queue=1)
-    prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=2))
-    loop = SimpleNamespace(call_soon_threadsafe=lambda *args: None)
+    submission = Submission(GenerationParams(max_new_tokens=2), ["Jack and Jill"])
     with pytest.raises(Unavailable):                  # not started
-        engine.submit(prepared, loop, None)
+        engine.submit(submission)
     engine._thread = SimpleNamespace(is_alive=lambda: True)   # "running", but never steps
-    engine.submit(prepared, loop, None)
+    engine.submit(submission)
     with pytest.raises(Overloaded):
-        engine.submit(prepared, loop, None)
+        engine.submit(submission)
     with pytest.raises(InvalidRequest, match="max-total-tokens"):
-        engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=10_000))
+        admit(engine, "Jack and Jill", GenerationParams(max_new_tokens=10_000))
     with pytest.raises(InvalidRequest, match="empty"):
-        engine.prepare("", GenerationParams())
+        admit(engine, "", GenerationParams())
 
 
 # --- the paged engine is the contiguous one, on another cache ---------------------------------
@@ -437,7 +450,7 @@ def test_prompts_are_tokenized_from_many_threads(engine, reference):
     def work(start):
         try:
             for i in range(start, len(prompts), 4):
-                got[i] = engine.prepare(prompts[i], GenerationParams(max_new_tokens=1)).input_ids
+                got[i] = admit(engine, prompts[i], GenerationParams(max_new_tokens=1)).input_ids
         except Exception as err:       # pragma: no cover - what the test looks for
             errors.append(err)
 

@@ -9,21 +9,23 @@ The server (``python -m helpers.server``) runs this way by default, so ``test_se
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from helpers.lora import ADAPTERS_DIR
-from helpers.server.engine import ErrorEvent, PromptEvent, TokenEvent
+from helpers.server.contract import (ErrorEvent, GenerationParams, PromptEvent, Submission,
+                                     TokenEvent)
 from helpers.server.engine_process import EngineProcess
 from helpers.server.errors import InvalidRequest, NotFound, Unavailable
 from helpers.server.options import DEFAULTS, ENGINE_OPTIONS
-from helpers.server.protocol import GenerationParams
 
 from .conftest import COURSE_PROMPTS
-from .test_engine import _last, expected_ids, run, tokens_of
+from .test_engine import _last, expected_ids, run, sink_to, tokens_of
+
+
+def nowhere(events):
+    """A sink for a submission whose events nobody reads."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see tests/conftest.py
 
@@ -39,7 +41,7 @@ def settings(**changes) -> dict:
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = EngineProcess(settings())
+    engine = EngineProcess(settings()).start()
     yield engine
     engine.stop()
     assert not engine._process.is_alive()
@@ -64,7 +66,7 @@ def test_greedy_answers_are_the_threads_engines(engine, reference):
                 for p, n in zip(COURSE_PROMPTS, [3, 9, 17, 5, 12])]
     for (prompt, params), events in zip(requests, run(engine, requests)):
         assert tokens_of(events) == expected_ids(reference, prompt, params.max_new_tokens)
-        assert events[-1].finish["prompt_tokens"] == len(reference[1](prompt)["input_ids"])
+        assert events[-1].finish.prompt_tokens == len(reference[1](prompt)["input_ids"])
 
 
 def test_scores_samples_and_biases_cross_the_process(engine, reference):
@@ -94,12 +96,14 @@ def test_scores_samples_and_biases_cross_the_process(engine, reference):
 
 def test_the_engines_errors_are_raised_here(engine):
     with pytest.raises(InvalidRequest, match="max-total-tokens"):
-        engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=10_000))
+        engine.submit(Submission(GenerationParams(max_new_tokens=10_000), ["Jack and Jill"]),
+                      nowhere)
     with pytest.raises(InvalidRequest, match="empty"):
-        engine.prepare("", GenerationParams())
+        engine.submit(Submission(GenerationParams(), [""]), nowhere)
     with pytest.raises(NotFound):
-        engine.prepare("Jack and Jill", GenerationParams(adapter_id="no-such-adapter"))
-    assert engine.healthy
+        engine.submit(Submission(GenerationParams(adapter_id="no-such-adapter"),
+                                 ["Jack and Jill"]), nowhere)
+    assert engine.healthy and not engine._handles
 
 
 def test_a_nan_row_fails_alone_across_the_process(engine, reference):
@@ -110,30 +114,15 @@ def test_a_nan_row_fails_alone_across_the_process(engine, reference):
     assert tokens_of(results[1]) == expected_ids(reference, COURSE_PROMPTS[0], 6)
 
 
-def test_prepared_requests_are_let_go(engine):
-    """The engine process keeps each prepared request (its grammar, its adapter) until the
-    HTTP side lets go of it, and not longer: nothing piles up."""
+def test_nothing_is_kept_once_submissions_finish(engine):
+    """Each side keeps a submission (its handle; in the engine process its requests, grammars
+    and adapter) until its last event, and not longer: nothing piles up."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}
     requests = [("Jack and Jill", GenerationParams(max_new_tokens=30, grammar=("json", schema)))
                 for _ in range(3)] + [("Jack", GenerationParams(max_new_tokens=2))]
     run(engine, requests)
-    unused = engine.prepare("Humpty Dumpty", GenerationParams(max_new_tokens=2))  # never sent
-    assert engine.snapshot()["prepared_held"] >= 1
-    del unused
-    gc.collect()
-    engine.snapshot()          # the next message tells the engine process what was let go
-    assert engine.snapshot()["prepared_held"] == 0
-    # What the runner does: release after submitting, with no garbage collection needed.
-    gc.disable()
-    try:
-        kept = [engine.prepare("Jack", GenerationParams(max_new_tokens=2)) for _ in range(3)]
-        assert engine.snapshot()["prepared_held"] == 3
-        for prepared in kept:
-            engine.release(prepared)
-            engine.release(prepared)                    # twice is harmless
-        assert engine.snapshot()["prepared_held"] == 0
-    finally:
-        gc.enable()
+    assert not engine._handles
+    assert wait_for(lambda: engine.snapshot()["running"] == 0)
 
 
 def test_cancel_reaches_the_engine_process(engine):
@@ -141,9 +130,9 @@ def test_cancel_reaches_the_engine_process(engine):
 
     async def main():
         queue = asyncio.Queue()
-        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=200,
-                                                                    ignore_eos_token=True))
-        handle = engine.submit(prepared, asyncio.get_running_loop(), queue)
+        params = GenerationParams(max_new_tokens=200, ignore_eos_token=True)
+        handle = engine.submit(Submission(params, ["Jack and Jill"]),
+                               sink_to(asyncio.get_running_loop(), queue))
         await queue.get()                  # it is running
         engine.cancel(handle)
         return handle
@@ -153,18 +142,21 @@ def test_cancel_reaches_the_engine_process(engine):
     assert wait_for(lambda: engine.snapshot()["running"] == 0)
     assert handle.cancelled and not handle.finished
     assert not engine._handles             # nothing is kept for it on either side
-    assert engine._call("call", "snapshot")["running"] == 0
+    assert engine._ask("snapshot")["running"] == 0
 
 
-def test_a_dead_engine_process_fails_its_requests_and_says_so():
-    engine = EngineProcess(settings())
+def test_a_dead_engine_process_fails_its_requests_and_is_restarted():
+    """The engine process dies mid-answer: its request fails with a 503 that says so, the
+    engine is unhealthy while a new process starts, then serves again, and counts the
+    restart."""
+    engine = EngineProcess(settings()).start()
     events = []
 
     async def main():
         queue = asyncio.Queue()
-        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=250,
-                                                                    ignore_eos_token=True))
-        engine.submit(prepared, asyncio.get_running_loop(), queue)
+        params = GenerationParams(max_new_tokens=250, ignore_eos_token=True)
+        engine.submit(Submission(params, ["Jack and Jill"]),
+                      sink_to(asyncio.get_running_loop(), queue))
         events.append((await queue.get())[1])
         engine._process.kill()                       # the engine process dies mid-answer
         while not _last(events[-1]):
@@ -174,9 +166,31 @@ def test_a_dead_engine_process_fails_its_requests_and_says_so():
         asyncio.run(main())
         assert isinstance(events[0], TokenEvent)
         assert isinstance(events[-1], ErrorEvent) and events[-1].status == 503
-        assert wait_for(lambda: not engine.healthy)
+        assert "restarted" in events[-1].message
+        assert not engine.healthy
         with pytest.raises(Unavailable, match="engine process"):
-            engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=2))
+            engine.submit(Submission(GenerationParams(max_new_tokens=2), ["Jack"]), nowhere)
+        assert wait_for(lambda: engine.healthy, timeout=120)
+        assert engine.restarts == 1
+        assert tokens_of(run(engine, [("Jack and Jill", GenerationParams(max_new_tokens=3))])[0])
+        assert engine.info()["engine_restarts"] == 1
+    finally:
+        engine.stop()
+
+
+def test_an_engine_process_that_keeps_crashing_is_given_up(monkeypatch):
+    """More crashes than MAX_RESTARTS within the window: no restart, ``on_give_up`` is told
+    (the server then exits with status 1)."""
+    from helpers.server import engine_process
+
+    monkeypatch.setattr(engine_process, "MAX_RESTARTS", 0)
+    told = []
+    engine = EngineProcess(settings(), on_give_up=told.append).start()
+    try:
+        engine._process.kill()
+        assert wait_for(lambda: told, timeout=30)
+        assert "giving up" in told[0] and engine.restarts == 0
+        assert not engine.healthy
     finally:
         engine.stop()
 
@@ -190,20 +204,18 @@ def test_a_hung_engine_process_gets_503s_and_late_answers_are_undone(monkeypatch
 
     from helpers.server import engine_process
 
-    monkeypatch.setattr(engine_process, "ANSWER_SECONDS",
-                        {"call": 1.0, "submit": 1.0, "prepare": 5.0})
+    monkeypatch.setattr(engine_process, "ANSWER_SECONDS", {"ask": 1.0, "submit": 1.0})
     monkeypatch.setattr(engine_process, "SILENCE", 3.0)
-    engine = EngineProcess(settings())
+    engine = EngineProcess(settings()).start()
     pid = engine._process.pid
     try:
-        prepared = engine.prepare("Jack and Jill", GenerationParams(max_new_tokens=200,
-                                                                    ignore_eos_token=True))
+        submission = Submission(GenerationParams(max_new_tokens=200, ignore_eos_token=True),
+                                ["Jack and Jill"])
         os.kill(pid, signal.SIGSTOP)
         with pytest.raises(Unavailable, match="did not answer within 1 s"):
             engine.snapshot()
-        nobody = SimpleNamespace(call_soon_threadsafe=lambda *args: None)   # no event loop
         with pytest.raises(Unavailable, match="did not answer"):
-            engine.submit(prepared, nobody, None)
+            engine.submit(submission, nowhere)
         assert wait_for(lambda: not engine.healthy, timeout=10)
         os.kill(pid, signal.SIGCONT)
         assert wait_for(lambda: engine.healthy, timeout=10)
@@ -220,7 +232,7 @@ def test_metrics_still_answer_when_the_engine_process_is_gone():
 
     from helpers.server import create_app
 
-    engine = EngineProcess(settings())
+    engine = EngineProcess(settings()).start()
     app = create_app(engine, manage_engine=False)
 
     async def get(path):
@@ -243,4 +255,4 @@ def test_metrics_still_answer_when_the_engine_process_is_gone():
 
 def test_options_the_engine_refuses_are_a_value_error():
     with pytest.raises(ValueError, match="max_input_tokens .* must be smaller"):
-        EngineProcess(settings(max_input_tokens=200, max_total_tokens=100))
+        EngineProcess(settings(max_input_tokens=200, max_total_tokens=100)).start()

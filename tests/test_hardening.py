@@ -32,7 +32,8 @@ psutil = pytest.importorskip("psutil")
 from helpers.lora import ADAPTERS_DIR  # noqa: E402
 from helpers.server import guards, metrics as metrics_module, serve_in_background  # noqa: E402
 from helpers.server.adapters import BrokenAdapter, check_adapter_files  # noqa: E402
-from helpers.server.protocol import ApiError, GenerationParams  # noqa: E402
+from helpers.server.contract import GenerationParams  # noqa: E402
+from helpers.server.protocol import ApiError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")    # see tests/conftest.py
 
@@ -635,10 +636,10 @@ def test_a_500_says_nothing_about_the_exception(tiny_llama, monkeypatch, caplog)
     engine = Engine(model, tokenizer, adapters_dir=None, max_batch_size=2)
     secret = "/srv/secret/path/of/the/operator"
 
-    def broken_prepare(*args, **kwargs):
+    def broken_submit(*args, **kwargs):
         raise RuntimeError(f"cannot open {secret}")
 
-    monkeypatch.setattr(engine, "prepare", broken_prepare)
+    monkeypatch.setattr(engine, "submit", broken_submit)
     app = create_app(engine, manage_engine=False)
 
     async def main():
@@ -659,7 +660,7 @@ def test_a_500_says_nothing_about_the_exception(tiny_llama, monkeypatch, caplog)
 def test_a_stream_that_fails_says_nothing_about_the_exception(tiny_llama, monkeypatch, caplog):
     """A bug that strikes once a stream has started: its error event holds a request id, the
     server's log the exception (nothing else could answer: the 200 was sent)."""
-    from helpers.server import Engine, create_app, runner
+    from helpers.server import Engine, create_app, serving
 
     model, tokenizer = tiny_llama
     engine = Engine(model, tokenizer, adapters_dir=None, max_batch_size=2).start()
@@ -669,7 +670,7 @@ def test_a_stream_that_fails_says_nothing_about_the_exception(tiny_llama, monkey
     async def broken_next(self):
         raise RuntimeError(f"bug near {secret}")
 
-    monkeypatch.setattr(runner.Run, "next", broken_next)
+    monkeypatch.setattr(serving.Run, "next", broken_next)
 
     async def main():
         async with _asgi_client(app) as client:
@@ -766,22 +767,28 @@ def test_parse_json_is_strict_and_cheap():
 
 
 def test_check_ranges():
-    guards.check_ranges(GenerationParams(temperature=0.5, repetition_penalty=1.2, typical_p=1.0,
-                                         frequency_penalty=-2, presence_penalty=2,
-                                         logit_bias={5: -100, 7: 100}), vocab_size=10)
+    """GenerationParams.check, the one check of every parameter (a 422 naming the field).
+    Token ids outside the vocabulary are the engine's to refuse (tests/test_engine.py)."""
+    from helpers.server.app import status_of
+    from helpers.server.errors import InvalidRequest
+    from helpers.server.protocol import check_rows
+
+    GenerationParams(temperature=0.5, repetition_penalty=1.2, typical_p=1.0,
+                     frequency_penalty=-2, presence_penalty=2,
+                     logit_bias={5: -100, 7: 100}).check()
     for bad in [dict(temperature=1e-39), dict(temperature=math.nan), dict(top_p=math.inf),
                 dict(repetition_penalty=1e-40), dict(repetition_penalty=101.0),
                 dict(typical_p=0.0), dict(frequency_penalty=2.01), dict(presence_penalty=-math.inf),
-                dict(logit_bias={10: 1.0}), dict(logit_bias={-1: 1.0}),
+                dict(logit_bias={-1: 1.0}),
                 dict(logit_bias={1: math.nan}), dict(stop=["y" * 300])]:
-        with pytest.raises(ApiError) as caught:
-            guards.check_ranges(GenerationParams(**bad), vocab_size=10)
-        assert caught.value.status == 422
+        with pytest.raises(InvalidRequest) as caught:
+            GenerationParams(**bad).check()
+        assert status_of(caught.value) == (422, "validation")
         assert next(iter(bad)) in caught.value.message
-    guards.check_rows(16, 1, 1)
-    guards.check_rows(4, 2, 4)
+    check_rows(16, 1, 1)
+    check_rows(4, 2, 4)
     with pytest.raises(ApiError):
-        guards.check_rows(16, 1, 2)
+        check_rows(16, 1, 2)
 
 
 def test_cancel_on_disconnect():
@@ -805,12 +812,10 @@ def test_cancel_on_disconnect():
 
 def test_histogram_and_page_render():
     page = metrics_module.Metrics()
-    class Handle:           # what the engine hands over: a request submitted 30 ms ago
-        submitted = time.perf_counter() - 0.03
-
-    handle = Handle()
-    page.observe_token(handle)                   # its first token
-    page.observe_token(handle)                   # its second
+    started = time.perf_counter() - 0.03         # a request read 30 ms ago
+    first = time.perf_counter()
+    page.observe_token(started, None, first)     # its first token
+    page.observe_token(started, first, time.perf_counter())      # its second
     page.count_response(200)
     page.count_response(422)
     page.count_response(429)

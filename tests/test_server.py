@@ -145,9 +145,8 @@ def test_health_and_info(server):
 
 def test_streams_that_hang_up_leave_nothing_in_the_engine(server):
     """Clients that hang up mid-stream (LoRAX, and OpenAI with n=2 copies of 4 prompts): their
-    rows are cancelled, and the engine keeps none of their prepared requests (with the engine
-    in a process of its own, each is let go as soon as its copies are submitted, not when the
-    HTTP side's garbage collector happens to run)."""
+    rows are cancelled, and the engine keeps none of their submissions (with the engine in a
+    process of its own, each is let go as soon as it is cancelled or finished)."""
     lorax_body = {"inputs": "Jack and Jill", "parameters": {"max_new_tokens": 200,
                                                             "ignore_eos_token": True}}
     openai_body = {"prompt": COURSE_PROMPTS[:4], "max_tokens": 200, "n": 2, "stream": True,
@@ -162,7 +161,7 @@ def test_streams_that_hang_up_leave_nothing_in_the_engine(server):
     while time.monotonic() < deadline and metrics(server)["running"] > 0:
         time.sleep(0.05)
     figures = metrics(server)
-    assert figures["running"] == 0 and figures["prepared_held"] == 0
+    assert figures["running"] == 0 and figures["submissions_held"] == 0
     assert figures["up"] == 1
 
 
@@ -687,20 +686,14 @@ def test_engine_errors_become_statuses():
     """The engine raises its own errors; the HTTP side answers each with its status, in the
     body shape of the protocol the client spoke. 404 is "not_found", never "validation"
     (lorax-client would raise ValidationError for it)."""
-    from helpers import load_tokenizer
     from helpers.server import create_app, errors
 
-    tokenizer = load_tokenizer()
-
     class Refusing:
-        """Just enough of an engine to reach ``prepare``, which raises ``error``."""
-        model_id, healthy, metrics = "bundled", True, None
+        """Just enough of an engine to reach ``submit``, which raises ``error``."""
+        model_id, healthy, restarts = "bundled", True, 0
         error: Exception = errors.EngineError("unset")
 
-        def __init__(self):
-            self.tokenizer = tokenizer
-
-        def prepare(self, prompt, params):
+        def submit(self, submission, sink):
             raise self.error
 
     engine = Refusing()
@@ -734,19 +727,20 @@ def test_engine_errors_become_statuses():
 
 def _engine_answers(engine, jobs):
     """Run (prompt, max_new_tokens) jobs through an engine in this process, all at once."""
-    from helpers.server.protocol import GenerationParams
+    from helpers.server.contract import ErrorEvent, GenerationParams, Submission, TokenEvent
 
     async def main():
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         for tag, (prompt, n) in enumerate(jobs):
-            prepared = engine.prepare(prompt, GenerationParams(max_new_tokens=n))
-            engine.submit(prepared, loop, queue, tag)
+            def sink(events, tag=tag):
+                loop.call_soon_threadsafe(lambda: [queue.put_nowait((tag, e)) for _, e in events])
+            engine.submit(Submission(GenerationParams(max_new_tokens=n), [prompt]), sink)
         answers = {}
         while len(answers) < len(jobs):
             tag, event = await asyncio.wait_for(queue.get(), 60)
-            if getattr(event, "finish", None) is not None:
-                answers[tag] = event.finish["generated_text"]
-            elif not hasattr(event, "token"):
+            if isinstance(event, TokenEvent) and event.finish is not None:
+                answers[tag] = event.finish.text
+            elif isinstance(event, ErrorEvent):
                 answers[tag] = event
         return [answers[i] for i in range(len(jobs))]
 

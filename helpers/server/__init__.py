@@ -15,18 +15,24 @@ talk to it.
         from lorax import Client
         print(Client(url).generate("Jack and Jill", max_new_tokens=20).generated_text)
 
-Modules: ``engine`` (the scheduler that owns the model; ``paged_engine`` the same on lesson
-08's paged KV cache; ``engine_process`` runs either in a process of its own, the default),
-``sampling`` (how a row's next token is chosen), ``detok`` (tokens to text as they come),
-``grammar`` (grammars to token masks), ``adapters`` (adapter names to loaded adapters),
-``errors`` (the engine's own errors); ``app`` (the application: error mapping,
-/health, /info, /metrics), ``routes_lorax`` and ``routes_openai`` (the two families of
-routes), ``runner`` (the request path both share), ``protocol`` (request bodies and their
-checks), ``chat`` (chat messages to a prompt), ``guards`` (what a request must look like
-before any work), ``metrics`` (Prometheus' text format); ``background`` (start/stop from
-Python), ``options`` (the server's options, declared once), ``__main__`` (the command).
+Modules, in the order a request travels: ``protocol`` (request bodies, parsed into a ``Call``),
+``serving`` (the request path the routes share: submit, collect or stream, cancel),
+``routes_lorax`` and ``routes_openai`` (the two families of routes), ``app`` (the application:
+error mapping, /health, /info, /metrics), ``contract`` (what the HTTP side and the engine share:
+``GenerationParams`` and its one check, ``Submission``, ``Handle``, the events, the
+``EngineClient`` interface); on the engine's side ``admission`` (tokens, limits, adapter and
+grammar for each submission), ``tokens`` (client text never becomes a special token; chat
+templates), ``engine`` (one ``Request`` per sequence and the scheduler that owns the model;
+``paged_engine`` the same on lesson 08's paged KV cache), ``engine_process`` (either engine in
+a process of its own, supervised: the default), ``sampling`` (how a row's next token is
+chosen), ``detok`` (tokens to text as they come), ``grammar`` (grammars to token masks),
+``adapters`` (adapter names to loaded adapters), ``errors`` (the engine's own errors); and
+``guards`` (the HTTP door: body size, content type, JSON, slow or vanished clients),
+``metrics`` (Prometheus' text format), ``background`` (start/stop from Python), ``options``
+(the server's options, declared once), ``__main__`` (the command).
 
-Importing this package is cheap: FastAPI, uvicorn and the engine are imported on first use.
+Importing this package is cheap: FastAPI, uvicorn and the engine are imported on first use, and
+the HTTP process of the server never imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ __all__ = ["ApiError", "BackgroundServer", "Engine", "GenerationParams", "Gramma
            "create_app", "serve_in_background", "stop_all", "__version__"]
 
 _LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".protocol",
-         "GenerationParams": ".protocol", "Grammars": ".grammar"}
+         "GenerationParams": ".contract", "Grammars": ".grammar"}
 
 
 def __getattr__(name):

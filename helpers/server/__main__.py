@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from ..lora import ADAPTERS_DIR
     from . import guards
     from .app import create_app
     from .engine_process import EngineProcess, build_engine
@@ -97,10 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     settings = {name: getattr(args, name) for name in
                 ("model", "device", "dtype", "threads", "kv_cache", "log_level",
                  *options.ENGINE_OPTIONS)}
-    settings["adapters_dir"] = args.adapters if args.adapters is not None else ADAPTERS_DIR
+    settings["adapters_dir"] = args.adapters      # None: the course's (build_engine says which)
     settings["model_id"] = args.model or os.environ.get("COURSE_MODEL") or "bundled"
+    gave_up = []
+
+    def give_up(message: str) -> None:   # the engine process crashed too often: stop, loudly
+        gave_up.append(message)
+        server.should_exit = True
+
     try:
-        engine = EngineProcess(settings) if args.engine == "process" else build_engine(settings)
+        engine = (EngineProcess(settings, on_give_up=give_up).start()
+                  if args.engine == "process" else build_engine(settings))
     except ValueError as err:
         parser.error(str(err))
     app = create_app(engine)
@@ -121,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         os.replace(tmp, args.port_file)
     print(f"helpers.server: serving {engine.model_id} on http://{args.host}:{port}", flush=True)
     server.run(sockets=[sock])
+    if gave_up:
+        sys.exit(f"helpers.server: {gave_up[0]}")      # exit status 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Routes
     GET  /metrics           counters and latency histograms in Prometheus' text format
 
 The LoRAX routes live in ``routes_lorax.py``, OpenAI's in ``routes_openai.py``; both go through
-one request path (``runner.py``: read, prepare, submit, collect or stream, cancel).
+one request path (``serving.py``: read, submit, collect or stream, cancel).
 
 Every error is ``{"error": ..., "error_type": ...}`` (under ``/v1/`` "error" is OpenAI's
 ``{"message", "type", "param", "code"}`` object, so that the openai client shows it). The
@@ -37,9 +37,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import errors, guards, metrics, routes_lorax, routes_openai
-from .engine import Engine
-from .protocol import (MAX_BEST_OF, MAX_STOP_SEQUENCES, ApiError, describe_validation_errors,
-                       invalid)
+from .contract import MAX_STOP_SEQUENCES, EngineClient
+from .protocol import MAX_BEST_OF, ApiError, describe_validation_errors, invalid
 
 log = logging.getLogger("helpers.server")
 
@@ -79,7 +78,7 @@ def error_response(message: str, error_type: str, status: int, request: Request 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(engine: Engine, *, manage_engine: bool = True) -> FastAPI:
+def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
     """The FastAPI application serving ``engine``. (Lesson 07.)
 
     With ``manage_engine`` the app starts the engine's scheduler when the server starts and
@@ -99,12 +98,12 @@ def create_app(engine: Engine, *, manage_engine: bool = True) -> FastAPI:
     app = FastAPI(title="LoRAX-compatible course server", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.engine = engine
+    app.state.metrics = metrics.Metrics()       # what the clients saw: latencies, statuses
     add_error_handlers(app)
     app.include_router(routes_lorax.router)
     app.include_router(routes_openai.router)
     add_state_routes(app, engine)
-    if getattr(engine, "metrics", None) is not None:
-        app.add_middleware(metrics.CountResponses, metrics=engine.metrics)
+    app.add_middleware(metrics.CountResponses, metrics=app.state.metrics)
     app.add_middleware(guards.SendDeadline)       # drops a client that stops reading
     return app
 
@@ -150,15 +149,17 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(message, "generation", 500, request)
 
 
-def add_state_routes(app: FastAPI, engine: Engine) -> None:
+def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
     """/health, /info and /metrics."""
 
     @app.get("/health")
     async def health():
         if not engine.healthy:
-            return JSONResponse({"error": "the scheduler is not running",
-                                 "error_type": "unavailable"}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"error": "the scheduler is not running (a crashed engine "
+                                          "process is restarted on its own)",
+                                 "error_type": "unavailable",
+                                 "engine_restarts": engine.restarts}, status_code=503)
+        return {"status": "ok", "engine_restarts": engine.restarts}
 
     # /info and /metrics are plain functions: FastAPI runs them in a worker thread, so that
     # asking an engine in another process (engine_process.py) never holds up the event loop.
@@ -173,12 +174,9 @@ def add_state_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get("/metrics")
     def prometheus():
-        if getattr(engine, "metrics", None) is None:
-            lines = [f"helpers_server_{key} {value:g}"
-                     for key, value in sorted(engine.snapshot().items())]
-            return PlainTextResponse("\n".join(lines) + "\n")
         try:
             snapshot = engine.snapshot()
         except errors.Unavailable:        # the engine's process is gone: the rest still counts
             snapshot = None
-        return PlainTextResponse(engine.metrics.render(snapshot), media_type=metrics.CONTENT_TYPE)
+        page = app.state.metrics.render(snapshot, engine.restarts)
+        return PlainTextResponse(page, media_type=metrics.CONTENT_TYPE)

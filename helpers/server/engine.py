@@ -1,23 +1,28 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-The HTTP side never touches the model. It checks a request (``Engine.prepare``: tokens,
-limits, adapter, grammar), hands it over (``Engine.submit``) and reads the request's events
-from an ``asyncio.Queue``. The scheduler thread repeats ``Engine.step``, which is lesson 03's
-continuous batching with the very functions of ``helpers.batching``:
+The engine is read top to bottom in four parts:
 
-1. drop the rows whose client went away (``filter_batch``);
-2. admit waiting requests into the free slots: their prompts become a new batch
-   (``batch_from_token_ids``, the tokenized form of ``init_batch``), are read in one forward
-   pass (the prefill, ``generate_next_token``) and join the running batch (``merge_batches``);
-3. run one decode step for the whole batch (``generate_next_token``) and drop the rows that
-   finished (``filter_batch``).
+1. ``Request``: one sequence the scheduler generates, and the only record of its state (its
+   tokens, its text, its grammar, its sampler) and of whether it is finished.
+2. ``Engine``'s life cycle and its door: ``submit`` (admission, ``admission.py``: tokens,
+   limits, adapter, grammar, seeds) queues a submission's requests and answers once with a
+   ``Handle``; ``cancel`` drops them when the client goes away.
+3. The scheduler thread, which repeats ``Engine.step``: lesson 03's continuous batching with the
+   very functions of ``helpers.batching``:
 
-What the server adds is *how each row's token is chosen*: ``generate_next_token`` takes a
-chooser, and ours applies each row's own rules (greedy or seeded sampling, penalties, logit
-bias, a grammar's mask: ``helpers.server.sampling``), then hands every token to its request's
-queue (``loop.call_soon_threadsafe``: the queue belongs to the event loop's thread). Each
-row's adapter is set with ``MultiLora.set_rows`` (lesson 06) before every forward pass.
+   1. drop the rows whose client went away (``filter_batch``);
+   2. admit waiting requests into the free slots: their prompts become a new batch
+      (``batch_from_token_ids``, the tokenized form of ``init_batch``), are read in one forward
+      pass (the prefill, ``generate_next_token``) and join the running batch
+      (``merge_batches``);
+   3. run one decode step for the whole batch (``generate_next_token``) and drop the rows that
+      finished (``filter_batch``).
+
+4. Choosing each row's token by its own rules (greedy or seeded sampling, penalties, logit
+   bias, a grammar's mask: ``helpers.server.sampling``), and handing the events out: after
+   every step, one call to ``deliver`` with every event of the step. Each row's adapter is set
+   with ``MultiLora.set_rows`` (lesson 06) before every forward pass.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
 (and, with an adapter, what generating that row alone with the adapter gives): batching
@@ -34,12 +39,10 @@ settings, a failing grammar) fails alone: the other rows of the batch carry on.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 import traceback
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -48,124 +51,46 @@ from ..batching import (Batch, batch_from_token_ids, filter_batch, generate_next
 from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore
+from .admission import Admission, Admitted
+from .contract import (ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, Sink,
+                       Submission, TokenEvent, is_last)
 from .detok import IncrementalDecoder
-from .errors import EngineError, InvalidRequest, Overloaded, TooLarge, Unavailable
+from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
-from .metrics import Metrics
 from .options import DEFAULTS
-from .protocol import GenerationParams
 
 log = logging.getLogger("helpers.server")
 
-#: A prompt longer than this many characters per allowed token is refused before it is
-#: tokenized (see ``Engine.max_prompt_chars``).
-CHARS_PER_TOKEN_MARGIN = 2
-#: Memory one request may take for its prompt's log probabilities (``prompt_logprobs``): the
-#: logits of every prompt position, in float32, about three times over (the model's output,
-#: a float copy, the log-softmax).
-MAX_SCORING_BYTES = 256 * 2**20
-SCORING_COPIES = 3
 
+# --- 1. one sequence ------------------------------------------------------------------------
 
-# --- what travels between the HTTP side and the scheduler --------------------------------
+class Request:
+    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``): what
+    the scheduler knows of it, from the queue to its last token. It alone decides when it is
+    finished (``accept``); the engine copies that into the batch."""
 
-@dataclass
-class Prepared:
-    """A checked request, ready for the scheduler (made by ``Engine.prepare``)."""
-
-    prompt: str                  # the prompt as text (decoded, when given as token ids)
-    input_ids: list[int]
-    params: GenerationParams
-    max_new_tokens: int
-    adapter: str | None          # the name loaded in the engine's MultiLora, None for none
-    grammar: object | None       # the compiled grammar (grammar.Compiled), None for free text
-    seed: int | None             # the sampling seed (drawn at random when not given)
-
-
-@dataclass
-class PromptEvent:
-    """The prompt's tokens with their log probabilities (first: None), before any token."""
-
-    tokens: list[dict]
-
-
-@dataclass
-class TokenEvent:
-    """One generated token. ``finish`` is set on a request's last token: finish_reason,
-    generated_text, generated_tokens, prompt_tokens, seed, stop_at (where a matched stop
-    sequence starts in the text, else None) and seconds. With ``max_new_tokens`` 0 the one
-    event has ``token`` None."""
-
-    token: dict | None
-    finish: dict | None = None
-
-
-@dataclass
-class ErrorEvent:
-    """The request failed after it was accepted (the model raised, or the server stops)."""
-
-    message: str
-    error_type: str = "generation"
-    status: int = 500
-
-
-@dataclass(eq=False)
-class Handle:
-    """A submitted request. Its events arrive on ``queue`` as ``(tag, event)`` pairs."""
-
-    id: int
-    prepared: Prepared
-    loop: object
-    queue: object
-    tag: int = 0
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-    finished: bool = False
-
-
-def _deliver(items) -> None:
-    """Runs in the event loop's thread: put each event on its request's queue."""
-    for queue, tag, event in items:
-        queue.put_nowait((tag, event))
-
-
-def send_events(outgoing: list[tuple[Handle, object]]) -> None:
-    """Hand events to their requests' event loops: one call per loop for all of them (each
-    call wakes that loop's thread once). Called by the scheduler after each step, and by
-    ``EngineProcess`` for the events that come from its engine's process."""
-    by_loop = defaultdict(list)
-    for handle, event in outgoing:
-        by_loop[handle.loop].append((handle.queue, handle.tag, event))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:          # that event loop is closed: nobody is listening
-            pass
-
-
-# --- one row of the running batch -----------------------------------------------------------
-
-class _Row:
-    """The per-request state the scheduler keeps while a request is in the batch."""
-
-    def __init__(self, handle: Handle):
-        prepared = handle.prepared
-        params = prepared.params
-        self.handle = handle
+    def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
+                 params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
+        self.id = number                    # the engine's number for it (its batch row's id)
+        self.handle = handle                # the submission it belongs to
+        self.sequence = sequence            # which of the submission's sequences it is
         self.params = params
-        self.max_new_tokens = prepared.max_new_tokens
-        self.prompt_ids = prepared.input_ids
-        self.adapter = prepared.adapter
-        self.sampling = params.sampling
+        self.prompt_ids = admitted.input_ids
+        self.max_new_tokens = admitted.max_new_tokens
+        self.adapter = admitted.adapter
+        self.seed = seed
+        self.submitted = time.perf_counter()
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
         self.generator = None
-        if self.sampling:
+        if params.sampling:
             self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(prepared.seed)
+            self.generator.manual_seed(seed)
         self.error: BaseException | None = None      # set if this row failed (alone)
         self.matcher = None
-        if prepared.grammar is not None:
+        if admitted.grammar is not None:
             try:
-                self.matcher = prepared.grammar.matcher()
+                self.matcher = admitted.grammar.matcher()
             except Exception as err:
                 self.error = err
         self.penalty = (params.repetition_penalty
@@ -181,6 +106,11 @@ class _Row:
         self.decoder = None            # its IncrementalDecoder (detok.py), from the first token
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
+        self.finished = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled
 
     @property
     def adjusts_logits(self) -> bool:
@@ -188,6 +118,73 @@ class _Row:
         return (self.penalty is not None or self.matcher is not None or bool(params.logit_bias)
                 or bool(params.frequency_penalty) or bool(params.presence_penalty))
 
+    def accept(self, token: int | None, logprob: float | None, alternatives,
+               special_ids: set, eos_text: str) -> TokenEvent:
+        """Add this step's token: its text, its event, and whether the request is finished."""
+        if self.max_new_tokens == 0:
+            self.finished = True
+            return TokenEvent(None, self._finish("length", None))
+        self.count += 1
+        reason, stop_at = None, None
+        if token == self.eos_id and not self.ignore_eos:
+            piece, special, reason = eos_text, True, "eos_token"
+        else:
+            self.ids.append(token)
+            self.counts[token] += 1
+            if self.matcher is not None:
+                self.matcher.advance(token)
+            special = token in special_ids
+            piece, stop_at = self._add_text()
+            if stop_at is not None:
+                reason = "stop_sequence"
+        if reason is None and self.count >= self.max_new_tokens:
+            reason = "length"
+        out = {"id": int(token), "text": piece, "logprob": sampling.finite(logprob),
+               "special": special}
+        if alternatives is not None:
+            out["alternative_tokens"] = alternatives
+        self.finished = reason is not None
+        return TokenEvent(out, self._finish(reason, stop_at) if self.finished else None)
+
+    def fail(self) -> ErrorEvent:
+        """The event of a request that failed alone (``error`` is set)."""
+        self.finished = True
+        err = self.error
+        log.warning("request %s failed alone: %s", self.id,
+                    "".join(traceback.format_exception(err)).strip())
+        if isinstance(err, EngineError):
+            return ErrorEvent(f"generation failed: {err.message}")
+        return ErrorEvent("generation failed while choosing the next token; the server's log "
+                          "has the details")
+
+    def _add_text(self) -> tuple[str, int | None]:
+        """The new piece of text, and where a stop sequence starts in the text (None if none
+        matched). Only the last few tokens are decoded (``detok.py``): decoding the whole
+        answer at every token would cost more the longer it gets."""
+        if self.decoder is None:
+            self.decoder = IncrementalDecoder(self.tokenizer)
+        # A token may end inside a multi-byte character: the decoder holds its text back until
+        # the character is complete, or until the request ends.
+        piece = self.decoder.add(self.ids[-1])
+        if self.count >= self.max_new_tokens:
+            piece += self.decoder.flush()
+        stop_at = None
+        stops = self.params.stop
+        if stops and piece:
+            start = max(0, len(self.text) - self.longest_stop + 1)
+            text = self.text + piece
+            found = [pos for pos in (text.find(s, start) for s in stops) if pos >= 0]
+            stop_at = min(found) if found else None
+        self.text += piece
+        return piece, stop_at
+
+    def _finish(self, reason: str, stop_at: int | None) -> Finish:
+        return Finish(reason, self.tokenizer.decode(self.ids), self.count,
+                      len(self.prompt_ids), self.seed, stop_at,
+                      time.perf_counter() - self.submitted)
+
+
+# --- 2. the engine: life cycle and door ----------------------------------------------------
 
 class Engine:
     """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
@@ -201,11 +198,11 @@ class Engine:
     default_max_new_tokens: what a request that does not say gets (capped by the room left)
 
     ``start()`` starts the scheduler thread, ``stop()`` ends it (waiting and running requests
-    get an error event). Use ``prepare`` then ``submit`` from the HTTP side; ``cancel`` drops a
-    request whose client went away.
+    get an error event). ``submit`` and ``cancel`` are the HTTP side's (``contract.EngineClient``).
     """
 
     kv_cache = "contiguous"
+    restarts = 0              # never: a scheduler thread is not restarted (EngineProcess is)
 
     def __init__(self, model, tokenizer, *, adapters_dir=ADAPTERS_DIR,
                  max_batch_size: int = DEFAULTS["max_batch_size"],
@@ -232,27 +229,28 @@ class Engine:
         self.eos_text = (tokenizer.convert_ids_to_tokens(self.eos_id)
                          if self.eos_id is not None else "")
         self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
-        self._encoder = _own_encoder(tokenizer)
-        # A token never stands for more characters than the longest token of the vocabulary.
-        longest = max(len(token) for token in tokenizer.get_vocab())
-        self.max_prompt_chars = max_input_tokens * longest * CHARS_PER_TOKEN_MARGIN
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
         self._cond = threading.Condition()      # guards the waiting queue and the flags
-        self._encode_lock = threading.Lock()    # only for tokenizers without a Rust backend
-        self._waiting: deque[Handle] = deque()
-        self._rows: dict[int, _Row] = {}
+        self._waiting: deque[Request] = deque()
+        self._rows: dict[int, Request] = {}     # the running requests, by id
         self._batch = Batch.empty()
         self._next_id = 0
+        self._next_handle = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
         self.adapters = AdapterStore(model, adapters_dir, self._model_lock)
-        self.grammars = Grammars(tokenizer)
+        self.admission = Admission(tokenizer, self.adapters, max_input_tokens=max_input_tokens,
+                                   max_total_tokens=max_total_tokens,
+                                   default_max_new_tokens=default_max_new_tokens,
+                                   vocab_size=self.vocab_size)
+        self.max_prompt_chars = self.admission.max_prompt_chars
         self.stats = defaultdict(float)
-        self.metrics = Metrics()                # latency histograms for /metrics
-
-    # --- life cycle -----------------------------------------------------------------------
+        #: Where every step's events go: ``deliver([(request, event), ...])``. Here, to each
+        #: submission's sink; the engine's process replaces it with one message to the HTTP
+        #: process (``engine_process.py``).
+        self.deliver = deliver_to_sinks
 
     def start(self) -> "Engine":
         if self._thread is not None and self._thread.is_alive():
@@ -275,115 +273,17 @@ class Engine:
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self._failure is None)
 
-    # --- the HTTP side ----------------------------------------------------------------------
-
-    def prepare(self, prompt: str | list[int], params: GenerationParams) -> Prepared:
-        """Check a request against the server's limits and make it ready: tokenize the prompt
-        (or check its token ids), load the adapter if needed, compile the grammar. Raises
-        ``errors.EngineError``. May block (loading an adapter, compiling a grammar): call it
-        from a worker thread."""
-        ids = self._prompt_ids(prompt, params.truncate)
-        if len(ids) > self.max_input_tokens:
-            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
-                                 f"(--max-input-tokens); given: {len(ids)} tokens")
-        # Scoring a prompt keeps one row of logits per prompt token: bounded, so that a short
-        # request to a model with a large vocabulary cannot take gigabytes.
-        scoring_bytes = len(ids) * self.vocab_size * 4 * SCORING_COPIES
-        if params.prompt_logprobs and scoring_bytes > MAX_SCORING_BYTES:
-            most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
-            raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "
-                           f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
-                           f"given: {len(ids)} tokens")
-        max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
-        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias:
-            raise InvalidRequest(f"logit_bias names token id {bad_bias[0]}, outside the "
-                                 f"vocabulary (0 to {self.vocab_size - 1})")
-        adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
-                                        params.api_token)
-        grammar = self._compile_grammar(params.grammar, max_new)
-        seed = None
-        if params.sampling:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return Prepared(text, list(ids), params, max_new, adapter, grammar, seed)
-
-    def _prompt_ids(self, prompt, truncate: int | None) -> list[int]:
-        """The prompt's token ids (the last ``truncate`` of them, if given). A text prompt too
-        long to fit is refused by its length in characters, before any tokenizing."""
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
-            ids = self._tokenize(prompt, truncate)
-        elif isinstance(prompt, (list, tuple)):
-            ids = self._check_token_ids(prompt, truncate)
-        else:
-            raise InvalidRequest("the prompt must be a string or a list of token ids")
-        if truncate is not None and len(ids) > truncate:
-            ids = ids[-truncate:]                 # keep the end, nearest the answer
-        if not ids:
-            raise InvalidRequest("the prompt (`inputs`, `prompt`) has no tokens")
-        return list(ids)
-
-    def _tokenize(self, text: str, truncate: int | None) -> list[int]:
-        """Tokenize a prompt, bounding the work by its length first.
-
-        Without ``truncate`` (or with one above --max-input-tokens) a prompt longer than
-        ``max_prompt_chars`` cannot fit: refused at once. With ``truncate`` only the end of
-        the text is tokenized, as many characters as ``truncate + 1`` tokens can stand for
-        (the tokens kept are the same, unless the cut falls inside one very long word)."""
-        keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
-        if keep is None and len(text) > self.max_prompt_chars:
-            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
-                                 f"(--max-input-tokens); given: {len(text)} characters, more "
-                                 f"than that many tokens can hold")
-        if keep is not None:
-            chars_per_token = self.max_prompt_chars // self.max_input_tokens
-            text = text[-(keep + 1) * chars_per_token:]
-        if self._encoder is not None:     # our own copy: no lock, nothing shared to mutate
-            return self._encoder.encode(text, add_special_tokens=True).ids
-        with self._encode_lock:
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
-
-    def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
-        """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
-        if len(ids) > self.max_input_tokens and truncate is None:
-            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
-                                 f"(--max-input-tokens); given: {len(ids)} tokens")
-        for i, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) \
-                    or not 0 <= token < self.vocab_size:
-                raise InvalidRequest(f"prompt token {i} is {token!r}: token ids are integers "
-                                     f"from 0 to {self.vocab_size - 1}")
-        return list(ids)
-
-    def _max_new_tokens(self, n_prompt: int, asked: int | None) -> int:
-        room = self.max_total_tokens - n_prompt
-        if asked is None:
-            return min(self.default_max_new_tokens, room)
-        if asked > room:
-            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
-                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
-                                 f"{n_prompt} prompt tokens and {asked} new tokens")
-        return asked
-
-    def _compile_grammar(self, grammar, max_new: int):
-        """The compiled grammar (None for free text, or when nothing is generated)."""
-        if grammar is None or max_new == 0:
-            return None
-        kind, value = grammar
-        compiled = self.grammars.compile(kind, value)
-        shortest = compiled.min_tokens
-        if shortest is not None and shortest + 1 > max_new:       # + 1: the EOS after it
-            raise InvalidRequest(f"the shortest answer this {kind} grammar allows takes "
-                                 f"{shortest} tokens of this model, plus the end token; "
-                                 f"`max_new_tokens` is {max_new}")
-        return compiled
-
-    def submit(self, prepared: Prepared, loop, queue, tag: int = 0) -> Handle:
-        """Queue a prepared request; its events will go to ``queue`` (an asyncio.Queue of
-        ``loop``). Raises ``Overloaded`` when the queue is full, ``Unavailable`` when the
-        engine is not running."""
+    def submit(self, submission: Submission, sink: Sink | None = None,
+               tag: object = None) -> Handle:
+        """Admit every prompt of ``submission`` (``admission.py``: may block, loading an
+        adapter or compiling a grammar: call it from a worker thread) and queue
+        ``submission.copies`` requests of each; their events go to ``sink`` (``tag``: the
+        caller's name for the submission, kept on the handle). Raises
+        ``errors.EngineError`` (``Overloaded`` when the queue is full, ``Unavailable`` when
+        the engine is not running), and then nothing was queued."""
+        admitted = self.admission.admit(submission)
+        params, copies = submission.params, submission.copies
+        seeds = self.admission.seeds(params, copies)
         with self._cond:
             if not self.healthy:
                 raise Unavailable("the server is not running (its scheduler stopped)")
@@ -391,20 +291,22 @@ class Engine:
                 self.stats["rejected_overloaded"] += 1
                 raise Overloaded(f"Model is overloaded: {len(self._waiting)} requests are "
                                  f"already waiting (--max-queue {self.max_queue}); retry later")
-            handle = Handle(self._next_id, prepared, loop, queue, tag)
-            self._next_id += 1
-            self._waiting.append(handle)
-            self.stats["requests"] += 1
+            handle = Handle(self._next_handle, [a.text for a in admitted],
+                            len(admitted) * copies, seeds * len(admitted), sink, tag)
+            self._next_handle += 1
+            for index, one in enumerate(admitted):
+                for number in range(copies):
+                    self._waiting.append(Request(
+                        self._next_id, handle, index * copies + number, one, params,
+                        seeds[number], self.tokenizer, self.eos_id))
+                    self._next_id += 1
+            self.stats["requests"] += handle.sequences
             self._cond.notify_all()
         return handle
 
-    def release(self, prepared: Prepared) -> None:
-        """The HTTP side will submit ``prepared`` no more. Nothing to do here, where it is an
-        ordinary object (``EngineProcess`` lets go of it in the engine's process)."""
-
     def cancel(self, handle: Handle) -> None:
-        """Forget a request (its client went away): it leaves the batch before the next step,
-        and its slot goes to the next waiting request."""
+        """Forget a submission (its client went away): its requests leave the batch before the
+        next step, and their slots go to the next waiting requests."""
         with self._cond:
             if handle.finished or handle.cancelled:
                 return
@@ -417,7 +319,34 @@ class Engine:
             state = {"waiting": len(self._waiting), "running": len(self._rows)}
         return {**state, **{k: v for k, v in self.stats.items()}}
 
-    # --- the scheduler thread ---------------------------------------------------------------
+    def info(self) -> dict:
+        model = self.model
+        return {
+            "model_id": self.model_id,
+            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "model_device_type": self.device.type,
+            "model_pipeline_tag": "text-generation",
+            "max_batch_size": self.max_batch_size,
+            "max_concurrent_requests": self.max_batch_size + self.max_queue,
+            "max_queue": self.max_queue,
+            "max_input_length": self.max_input_tokens,
+            "max_total_tokens": self.max_total_tokens,
+            "default_max_new_tokens": self.default_max_new_tokens,
+            "adapters_folder": self.adapters.folder_name,   # its name only, never the path
+            "adapters_available": self.adapters.available(),
+            "adapters_loaded": self.adapters.loaded,
+            "json_mode": Grammars.available(),
+            "kv_cache": self.kv_cache,
+            "engine": "thread",             # EngineProcess says "process"
+        }
+
+    def adapters_available(self) -> list[str]:
+        return self.adapters.available()
+
+    def adapters_loaded(self) -> list[str]:
+        return self.adapters.loaded
+
+    # --- 3. the scheduler thread ----------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -466,45 +395,44 @@ class Engine:
             self._generate(self._batch, "decode")
             self._batch = filter_batch(self._batch)
 
-    def _take_waiting(self) -> list[Handle]:
+    def _take_waiting(self) -> list[Request]:
         free = self.max_batch_size - len(self._rows)
         taken = []
         while self._waiting and len(taken) < free:
-            handle = self._waiting.popleft()
-            if handle.cancelled:
+            request = self._waiting.popleft()
+            if request.cancelled:
                 self.stats["cancelled"] += 1
                 continue
-            taken.append(handle)
+            taken.append(request)
         return taken
 
     def _drop_cancelled(self) -> None:
         batch = self._batch
-        if not any(self._rows[rid].handle.cancelled for rid in batch.request_ids):
+        if not any(self._rows[rid].cancelled for rid in batch.request_ids):
             return
         for i, rid in enumerate(batch.request_ids):
-            if self._rows[rid].handle.cancelled:
+            if self._rows[rid].cancelled:
                 batch.done[i] = True
                 del self._rows[rid]
                 self.stats["cancelled"] += 1
         self._batch = filter_batch(batch)
 
-    def _new_batches(self, handles: list[Handle]) -> list[tuple[Batch, int]]:
+    def _new_batches(self, requests: list[Request]) -> list[tuple[Batch, int]]:
         """The new requests as batches (lesson 03's ``init_batch``, from token ids), each with
         the logits its prefill keeps: the last position only, or every position (0) for the
         requests that asked for their prompt's log probabilities, which get a batch each so
         that nobody else's logits are kept."""
-        for handle in handles:
-            self._rows[handle.id] = _Row(handle)
-        scoring = [[h] for h in handles if h.prepared.params.prompt_logprobs]
-        others = [h for h in handles if not h.prepared.params.prompt_logprobs]
+        for request in requests:
+            self._rows[request.id] = request
+        scoring = [[r] for r in requests if r.params.prompt_logprobs]
+        others = [r for r in requests if not r.params.prompt_logprobs]
         batches = []
-        # Each scoring request alone: its logits are bounded in prepare (MAX_SCORING_BYTES).
+        # Each scoring request alone: its logits are bounded at admission (MAX_SCORING_BYTES).
         for group, keep in [(others, 1)] + [(one, 0) for one in scoring]:
             if group:
                 batch = batch_from_token_ids(
-                    [h.prepared.input_ids for h in group],
-                    [max(1, h.prepared.max_new_tokens) for h in group],
-                    [h.id for h in group], self.pad_id)
+                    [r.prompt_ids for r in group], [max(1, r.max_new_tokens) for r in group],
+                    [r.id for r in group], self.pad_id)
                 batches.append((batch, keep))
         return batches
 
@@ -521,7 +449,7 @@ class Engine:
         def choose(logits):
             return self._choose(rows, logits, outgoing, score=logits_to_keep == 0)
 
-        # EOS is handled by _accept (per row: ignore_eos, grammars), not by the helper.
+        # EOS is handled by Request.accept (per row: ignore_eos, grammars), not by the helper.
         generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
                             choose=choose, logits_to_keep=logits_to_keep)
         self._hand_out(batch, list(enumerate(rows)), outgoing)
@@ -529,9 +457,9 @@ class Engine:
         self.stats["tokens"] += len(rows)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
-    # --- choosing tokens --------------------------------------------------------------------
+    # --- 4a. choosing tokens --------------------------------------------------------------------
 
-    def _choose(self, rows: list[_Row], logits: torch.Tensor, outgoing: list,
+    def _choose(self, rows: list[Request], logits: torch.Tensor, outgoing: list,
                 score: bool = False) -> list[int]:
         """The chooser given to ``generate_next_token``: each row's next token, by its own
         rules. ``logits`` is (rows, positions, vocab); ``score``: the prefill kept every
@@ -563,7 +491,7 @@ class Engine:
                 else self.pad_id for row in rows]
 
     @staticmethod
-    def _guarded(row: _Row, function, *args) -> None:
+    def _guarded(row: Request, function, *args) -> None:
         """Run one row's part of the choice; an exception fails that row, not the batch."""
         if row.error is not None:
             return
@@ -572,13 +500,13 @@ class Engine:
         except Exception as err:
             row.error = err
 
-    def _score_prompt(self, row: _Row, logits: torch.Tensor, outgoing: list) -> None:
+    def _score_prompt(self, row: Request, logits: torch.Tensor, outgoing: list) -> None:
         """The PromptEvent: every prompt token's logprob, from the logits at its positions."""
         tokens = sampling.prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
                                           row.params.alternatives)
-        outgoing.append((row.handle, PromptEvent(tokens)))
+        outgoing.append((row, PromptEvent(tokens)))
 
-    def _adjust(self, row: _Row, logits: torch.Tensor) -> None:
+    def _adjust(self, row: Request, logits: torch.Tensor) -> None:
         """A row's logits after its penalties, its logit bias and its grammar's mask."""
         params = row.params
         if row.penalty is not None:
@@ -592,7 +520,7 @@ class Engine:
             budget = row.max_new_tokens - row.count - 1   # tokens left after this one
             row.matcher.apply(logits, budget)
 
-    def _pick(self, row: _Row, token: int, logprob: float, logits: torch.Tensor,
+    def _pick(self, row: Request, token: int, logprob: float, logits: torch.Tensor,
               logprobs: torch.Tensor) -> None:
         """Set ``row.choice``: the greedy ``token`` unless the row samples, its logprob, and
         the top alternatives if asked."""
@@ -602,7 +530,7 @@ class Engine:
         if row.matcher is not None and not torch.isfinite(logits).any():
             row.choice = (self.eos_id, 0.0, None)   # the grammar allows nothing: stop
             return
-        if row.sampling:
+        if row.generator is not None:              # the row samples
             token, logprob = sampling.sample(logits, row.params, row.generator)
         alternatives = None
         if row.params.alternatives:
@@ -610,137 +538,58 @@ class Engine:
                                                      self.tokenizer)
         row.choice = (token, logprob, alternatives)
 
-    # --- handing out tokens ---------------------------------------------------------------
+    # --- 4b. handing out tokens -----------------------------------------------------------
 
-    def _hand_out(self, batch, rows: list[tuple[int, _Row]], outgoing: list) -> None:
-        """After a forward pass: each row's event (its token, or its failure) goes to its
-        client; finished and failed rows are marked done (the caller filters them out)."""
+    def _hand_out(self, batch, rows: list[tuple[int, Request]], outgoing: list) -> None:
+        """After a forward pass: each row's event (its token, or its failure) goes out; the
+        requests that finished leave ``_rows``, and their batch rows are marked done (the
+        caller filters them out)."""
         try:
             for i, row in rows:
                 if row.error is None:
                     try:
-                        event, finished = self._accept(row, *row.choice)
+                        event = row.accept(*row.choice, self.special_ids, self.eos_text)
                     except Exception as err:      # this row's text or grammar: it alone fails
                         row.error = err
                 if row.error is not None:
-                    event, finished = self._row_failed(row), True
-                outgoing.append((row.handle, event))
-                if finished:
-                    batch.done[i] = True
-                    row.handle.finished = True
-                    del self._rows[row.handle.id]
+                    event = row.fail()
+                    self.stats["failed"] += 1
+                outgoing.append((row, event))
+                batch.done[i] = row.finished
+                if row.finished:
+                    del self._rows[row.id]
                     self.stats["finished"] += 1
         finally:   # even if a row failed: the rows that finished must hear so
-            send_events(outgoing)
-
-    def _row_failed(self, row: _Row) -> ErrorEvent:
-        err = row.error
-        log.warning("request %s failed alone: %s", row.handle.id,
-                    "".join(traceback.format_exception(err)).strip())
-        self.stats["failed"] += 1
-        if isinstance(err, EngineError):
-            return ErrorEvent(f"generation failed: {err.message}")
-        return ErrorEvent("generation failed while choosing the next token; the server's log "
-                          "has the details")
-
-    def _accept(self, row: _Row, token: int | None, logprob: float | None,
-                alternatives) -> tuple[TokenEvent, bool]:
-        """Add a token to a row: its text, its event, and whether the row is finished."""
-        if row.max_new_tokens == 0:
-            return TokenEvent(None, self._finish(row, "length", None)), True
-        row.count += 1
-        self.metrics.observe_token(row.handle)
-        reason, stop_at = None, None
-        is_eos = token == self.eos_id and not row.ignore_eos
-        if is_eos:
-            piece, special, reason = self.eos_text, True, "eos_token"
-        else:
-            row.ids.append(token)
-            row.counts[token] += 1
-            if row.matcher is not None:
-                row.matcher.advance(token)
-            special = token in self.special_ids
-            piece, stop_at = self._add_text(row)
-            if stop_at is not None:
-                reason = "stop_sequence"
-        if reason is None and row.count >= row.max_new_tokens:
-            reason = "length"
-        out = {"id": int(token), "text": piece, "logprob": sampling.finite(logprob),
-               "special": special}
-        if alternatives is not None:
-            out["alternative_tokens"] = alternatives
-        finish = self._finish(row, reason, stop_at) if reason is not None else None
-        return TokenEvent(out, finish), reason is not None
-
-    def _add_text(self, row: _Row) -> tuple[str, int | None]:
-        """The row's new piece of text, and where a stop sequence starts in the row's text
-        (None if none matched). Only the last few tokens are decoded (``detok.py``): decoding
-        the whole answer at every token would cost more the longer it gets."""
-        if row.decoder is None:
-            row.decoder = IncrementalDecoder(self.tokenizer)
-        # A token may end inside a multi-byte character: the decoder holds its text back until
-        # the character is complete, or until the request ends.
-        piece = row.decoder.add(row.ids[-1])
-        if row.count >= row.max_new_tokens:
-            piece += row.decoder.flush()
-        stop_at = None
-        if row.params.stop and piece:
-            start = max(0, len(row.text) - row.longest_stop + 1)
-            text = row.text + piece
-            found = [pos for pos in (text.find(s, start) for s in row.params.stop) if pos >= 0]
-            stop_at = min(found) if found else None
-        row.text += piece
-        return piece, stop_at
-
-    def _finish(self, row: _Row, reason: str, stop_at: int | None) -> dict:
-        return {"finish_reason": reason, "generated_text": self.tokenizer.decode(row.ids),
-                "generated_tokens": row.count, "prompt_tokens": len(row.prompt_ids),
-                "seed": row.handle.prepared.seed, "stop_at": stop_at,
-                "seconds": time.perf_counter() - row.handle.submitted}
-
-    # --- delivery and failures ----------------------------------------------------------------
+            self.deliver(outgoing)
 
     def _fail_rows(self, message: str) -> None:
-        outgoing = [(row.handle, ErrorEvent(message)) for row in self._rows.values()]
-        for row in self._rows.values():
-            row.handle.finished = True
+        outgoing = [(row, ErrorEvent(message)) for row in self._rows.values()]
         self._rows.clear()
         self._batch = Batch.empty()
         self.stats["failed"] += len(outgoing)
-        send_events(outgoing)
+        self.deliver(outgoing)
 
     def _shutdown(self) -> None:
         with self._cond:
             waiting = list(self._waiting)
             self._waiting.clear()
         message = "the server is shutting down"
-        send_events([(h, ErrorEvent(message, status=503)) for h in waiting if not h.cancelled])
+        self.deliver([(r, ErrorEvent(message, status=503)) for r in waiting if not r.cancelled])
         self._fail_rows(message)
 
-    # --- description ----------------------------------------------------------------------
 
-    def info(self) -> dict:
-        model = self.model
-        return {
-            "model_id": self.model_id,
-            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "model_device_type": self.device.type,
-            "model_pipeline_tag": "text-generation",
-            "max_batch_size": self.max_batch_size,
-            "max_concurrent_requests": self.max_batch_size + self.max_queue,
-            "max_queue": self.max_queue,
-            "max_input_length": self.max_input_tokens,
-            "max_total_tokens": self.max_total_tokens,
-            "default_max_new_tokens": self.default_max_new_tokens,
-            "max_best_of": 1,
-            "max_stop_sequences": 4,
-            "adapters_folder": self.adapters.folder_name,   # its name only, never the path
-            "adapters_available": self.adapters.available(),
-            "adapters_loaded": self.adapters.loaded,
-            "json_mode": Grammars.available(),
-            "kv_cache": self.kv_cache,
-            "engine": "thread",             # EngineProcess says "process"
-        }
+def deliver_to_sinks(outgoing: list[tuple[Request, object]]) -> None:
+    """A step's events to their submissions' sinks: one call per submission, with its events
+    as ``(sequence, event)`` in order. A submission's ``done`` counts its finished sequences."""
+    by_handle: dict[Handle, list] = {}
+    for request, event in outgoing:
+        handle = request.handle
+        if is_last(event):
+            handle.done += 1
+        by_handle.setdefault(handle, []).append((request.sequence, event))
+    for handle, events in by_handle.items():
+        if handle.sink is not None and not handle.cancelled:
+            handle.sink(events)
 
 
 def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
@@ -764,25 +613,3 @@ def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max
         raise ValueError(f"max_input_tokens ({max_input_tokens}) must be smaller than "
                          f"max_total_tokens ({max_total_tokens})")
     return max_input_tokens, max_total_tokens
-
-
-def _own_encoder(tokenizer):
-    """A private copy of a fast tokenizer's Rust tokenizer, for prompts. Its ``encode`` holds
-    Python's lock while it runs, and nobody else changes this copy's settings (transformers
-    sets truncation and padding on the shared one at each call), so threads can use it
-    without a lock of ours. None for a tokenizer without one (then a lock is used)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    from tokenizers import Tokenizer
-
-    own = Tokenizer.from_str(backend.to_str())
-    own.no_truncation()
-    own.no_padding()
-    # transformers may add special tokens itself for some models: use the copy only if it
-    # tokenizes like the tokenizer does.
-    sample = "Jack and Jill went up the hill, 1 2 3 :) \n\u00e9"
-    if own.encode(sample, add_special_tokens=True).ids != \
-            tokenizer(sample, add_special_tokens=True)["input_ids"]:
-        return None
-    return own

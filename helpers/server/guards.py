@@ -14,14 +14,14 @@ Everything here is cheap and runs before the engine sees a request:
   surrogates ("\\ud800", which no UTF-8 encoder can write back), and nests as deep as its C
   stack allows; each of those used to turn into a 500 further in. Here they are a 400 that
   says what is wrong.
-* ``check_ranges``: every number a sampler divides by, or adds, is finite and in a range where
-  float32 arithmetic cannot overflow (a temperature of 1e-39 would turn the logits into
-  inf - inf = NaN, and a NaN row used to fail its whole batch).
 * ``cancel_on_disconnect``: a request whose client hangs up stops generating at once.
 * ``internal_error``: a 500 tells the client a request id, never the exception.
 * ``http_protocol``: uvicorn's HTTP protocol with a deadline for a request's headers, so that
   a client sending them a byte at a time (slowloris) cannot hold a connection for ever;
-  ``SendDeadline`` does the same for a client that stops reading its answer.
+  ``SendDeadline`` does the same for a client that stops reading its answer. The same
+  protocol refuses (400, connection closed) a request that carries both Content-Length and
+  Transfer-Encoding (RFC 9112 section 6.1): a proxy in front that goes by the other header
+  would take a second request hidden in the body for part of the first (request smuggling).
 """
 
 from __future__ import annotations
@@ -49,30 +49,6 @@ BODY_TIMEOUT_SECONDS = 30.0
 #: Deepest nesting of arrays and objects accepted in a body. A JSON schema three levels of
 #: properties deep nests about ten levels; nothing this server reads needs more than a few.
 MAX_JSON_DEPTH = 64
-
-#: The range of each sampling parameter, as (low, high, what breaks outside it).
-#: temperature: the engine divides float32 logits by it. Logits are at most a few hundred;
-#: divided by 1e-3 they stay far below float32's 3.4e38, while 1e-38 makes them inf, and
-#: softmax of inf - inf is NaN. Below 1e-3 sampling already picks the most likely token for
-#: any logit gap above 0.03 (e^30 to 1), so the bound takes nothing away: ask for greedy
-#: (temperature 0 on OpenAI's routes, do_sample false on LoRAX's) instead.
-#: repetition_penalty: logits are divided or multiplied by it; 1e-40 is 0 in float32 (a
-#: division by zero). Useful values are 1.0 to 1.5 (the CTRL paper uses 1.2); [0.01, 100]
-#: leaves room for experiments and keeps penalty x 1/temperature x logit below 1e10.
-#: frequency/presence penalties: OpenAI's range. logit_bias: OpenAI's range (-100 bans a
-#: token, +100 forces it).
-MIN_TEMPERATURE = 1e-3
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
-PENALTY_RANGE = (-2.0, 2.0)
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
-#: Entries of logit_bias one request may give (OpenAI allows 300).
-MAX_LOGIT_BIAS = 300
-#: Longest stop sequence, in characters. Every generated token is searched for each stop
-#: sequence, and a stream holds back as many characters as the longest one is long.
-MAX_STOP_CHARS = 256
-#: Rows one request may start (prompts x n x best_of): each row takes a batch slot.
-MAX_ROWS_PER_REQUEST = 16
-
 
 # --- errors of the door -------------------------------------------------------------------
 
@@ -250,75 +226,6 @@ def parse_json(raw: bytes) -> Any:
     return data
 
 
-# --- ranges -------------------------------------------------------------------------------
-
-def _where(prefix: str, name: str) -> str:
-    return f"`{prefix}{name}`"
-
-
-def check_ranges(p, prefix: str = "", vocab_size: int | None = None) -> None:
-    """Range checks on a ``GenerationParams`` that keep the sampler's arithmetic finite (see
-    the constants above for why each bound is where it is). Raises a 422 naming the field."""
-    floats = {"temperature": p.temperature, "top_p": p.top_p,
-              "repetition_penalty": p.repetition_penalty, "typical_p": p.typical_p,
-              "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty}
-    for name, value in floats.items():
-        if value is not None and not (isinstance(value, (int, float))
-                                      and math.isfinite(value)):
-            raise invalid(f"{_where(prefix, name)} must be a finite number, got {value!r}")
-    if p.temperature is not None and p.temperature < MIN_TEMPERATURE:
-        raise invalid(f"{_where(prefix, 'temperature')} must be at least {MIN_TEMPERATURE:g} "
-                      f"(got {p.temperature:g}); below that sampling is greedy in all but name "
-                      f"and float32 logits overflow: ask for greedy decoding instead")
-    low, high = REPETITION_PENALTY_RANGE
-    if p.repetition_penalty is not None and not low <= p.repetition_penalty <= high:
-        raise invalid(f"{_where(prefix, 'repetition_penalty')} must be between {low:g} and "
-                      f"{high:g} (1 is none), got {p.repetition_penalty:g}")
-    if p.typical_p is not None and not 0 < p.typical_p <= 1:
-        raise invalid(f"{_where(prefix, 'typical_p')} must be > 0 and <= 1 (1 is none), got "
-                      f"{p.typical_p:g}")
-    low, high = PENALTY_RANGE
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(p, name)
-        if value is not None and not low <= value <= high:
-            raise invalid(f"{_where(prefix, name)} must be between {low:g} and {high:g}, got "
-                          f"{value:g}")
-    for stop in p.stop or []:
-        if len(stop) > MAX_STOP_CHARS:
-            raise invalid(f"{_where(prefix, 'stop')}: a stop sequence may be at most "
-                          f"{MAX_STOP_CHARS} characters, got one of {len(stop)}")
-    check_logit_bias(p.logit_bias, prefix, vocab_size)
-
-
-def check_logit_bias(bias: dict | None, prefix: str = "", vocab_size: int | None = None) -> None:
-    """At most ``MAX_LOGIT_BIAS`` entries, token ids that exist (when the vocabulary size is
-    known), finite biases in [-100, 100]."""
-    if not bias:
-        return
-    where = _where(prefix, "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise invalid(f"{where} may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
-    low, high = LOGIT_BIAS_RANGE
-    for token, value in bias.items():
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
-                vocab_size is not None and token >= vocab_size):
-            limit = f" (this model has {vocab_size} tokens)" if vocab_size is not None else ""
-            raise invalid(f"{where}: {token!r} is not a token id{limit}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or not low <= value <= high:
-            raise invalid(f"{where}: the bias of token {token} must be a number between "
-                          f"{low:g} and {high:g}, got {value!r}")
-
-
-def check_rows(prompts: int, n: int | None = 1, best_of: int | None = 1) -> None:
-    """One request may start at most ``MAX_ROWS_PER_REQUEST`` rows: prompts x max(n,
-    best_of) (each row is generated in full, whatever is returned)."""
-    copies = max(n or 1, best_of or 1)
-    if prompts * copies > MAX_ROWS_PER_REQUEST:
-        raise invalid(f"this request would generate {prompts * copies} sequences ({prompts} "
-                      f"prompts x {copies}); at most {MAX_ROWS_PER_REQUEST} per request")
-
-
 # --- clients that hang up -----------------------------------------------------------------
 
 async def wait_for_disconnect(request) -> None:
@@ -372,10 +279,49 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
     connection and sends its headers a byte at a time (slowloris) holds that connection, a
     file descriptor and a slot of ``limit_concurrency`` for as long as it likes. Enough of
     them and nobody else can connect. Here a connection whose request has not started within
-    ``header_timeout`` seconds is closed."""
+    ``header_timeout`` seconds is closed.
+
+    It also refuses a request that says how long its body is twice, with both Content-Length
+    and Transfer-Encoding (see ``_refuse_two_framings``)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderDeadlineProtocol(H11Protocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # uvicorn's loop (handle_events) takes every event from conn.next_event: each
+            # request's headers pass through _next_event before uvicorn sees them.
+            self._h11_next_event = self.conn.next_event
+            self.conn.next_event = self._next_event
+
+        def _next_event(self):
+            event = self._h11_next_event()
+            if isinstance(event, h11.Request) and _two_framings(event.headers):
+                self._refuse_two_framings()
+                return h11.NEED_DATA       # uvicorn reads no further; the connection closes
+            return event
+
+        def _refuse_two_framings(self) -> None:
+            """400 and close the connection, without reading the body or anything after it.
+
+            RFC 9112 section 6.1: a request with both Transfer-Encoding and Content-Length
+            "ought to be handled as an error", and a server that processes it anyway must
+            close the connection afterwards. h11 frames it by the chunked encoding and keeps
+            the connection open, so a proxy in front that goes by Content-Length would pass a
+            second request hidden after the last chunk, and it would be answered.
+            (h11 itself refuses any Transfer-Encoding but a single ``chunked``.)"""
+            log.warning("refused a request with both Transfer-Encoding and Content-Length "
+                        "from %s", self.client)
+            body = json.dumps({"error": "a request may not carry both Transfer-Encoding and "
+                                        "Content-Length (RFC 9112 section 6.1): send one",
+                               "error_type": "validation"}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_timer = None
@@ -411,6 +357,13 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol
+
+
+def _two_framings(headers) -> bool:
+    """True when h11's request headers (names in lower case) hold both Transfer-Encoding
+    and Content-Length."""
+    names = {name for name, _ in headers}
+    return b"transfer-encoding" in names and b"content-length" in names
 
 
 # --- clients that stop reading -------------------------------------------------------------

@@ -7,10 +7,10 @@ only goes up; gauge: goes up and down; histogram: how many observations fell at 
 bucket edge ``le``, plus their sum and count). From two scrapes a dashboard gets rates (tokens
 per second) and latency percentiles (time to first token, time per output token).
 
-The engine feeds the histograms (``Engine.metrics.observe_token`` for every token it
-generates; with the engine in its own process, ``EngineProcess`` does, as each token reaches
-the HTTP process); the counters and gauges come from ``Engine.snapshot()`` when the page is asked
-for, and the HTTP answers are counted by status code by ``CountResponses``.
+The HTTP side feeds the histograms (``serving.Run`` calls ``Metrics.observe_token`` as each
+token reaches it, whichever process the engine runs in: the latencies clients saw); the
+counters and gauges come from the engine's ``snapshot()`` when the page is asked for, and the
+HTTP answers are counted by status code by ``CountResponses``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-import time
-import weakref
 
 PREFIX = "helpers_server_"
 
@@ -51,8 +49,8 @@ ENGINE_METRICS = {
     "kv_blocks_used": ("gauge", "KV blocks held by running requests (paged KV cache only; free "
                                 "blocks may still hold cached prefixes)."),
     "kv_blocks_total": ("gauge", "KV blocks in the pool (paged KV cache only; 0 otherwise)."),
-    "prepared_held": ("gauge", "Requests the engine's process keeps prepared for submission "
-                               "(with the engine in a process of its own)."),
+    "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
+                                  "event (with the engine in a process of its own)."),
 }
 
 
@@ -96,11 +94,12 @@ class Histogram:
 
 
 class Metrics:
-    """The engine's latency histograms and the HTTP side's answer counts.
+    """The latency histograms and the answer counts of the HTTP side (what clients saw).
 
-    ``observe_token(handle)`` is called for each token of a request as it is handed out: the
-    first one is timed from the request's submission (time to first token, queueing
-    included), each later one from the same request's previous token.
+    ``observe_token(started, last, now)`` is called for each token of a request as it reaches
+    the HTTP side: the first one (``last`` None) is timed from ``started``, when the request
+    was read (time to first token, admission and queueing included), each later one from the
+    same sequence's previous token.
     """
 
     def __init__(self):
@@ -111,31 +110,32 @@ class Metrics:
         self.per_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Seconds between two consecutive generated tokens of one request.", TOKEN_BUCKETS)
-        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._responses: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def observe_token(self, handle) -> None:
-        """One token of ``handle`` (an engine ``Handle``) was generated just now."""
-        now = time.perf_counter()
-        last = self._last.get(handle)          # None: this is its first token
+    def observe_token(self, started: float, last: float | None, now: float) -> None:
+        """One token of a sequence reached the HTTP side at ``now`` (seconds, any clock)."""
         if last is None:
-            self.ttft.observe(now - handle.submitted)
+            self.ttft.observe(now - started)
         else:
             self.per_token.observe(now - last)
-        self._last[handle] = now
 
     def count_response(self, status: int) -> None:
         with self._lock:
             self._responses[status] = self._responses.get(status, 0) + 1
 
-    def render(self, snapshot: dict | None) -> str:
+    def render(self, snapshot: dict | None, restarts: int = 0) -> str:
         """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
-        does not answer, and ``up`` says so), the answers by status code, the histograms."""
+        does not answer, and ``up`` says so), how often its process was restarted, the
+        answers by status code, the histograms."""
         name = PREFIX + "up"
         lines = [f"# HELP {name} 1 while the engine answers; 0 when it does not (its own "
                  f"figures are then left out).", f"# TYPE {name} gauge",
                  f"{name} {0 if snapshot is None else 1}"]
+        name = PREFIX + "engine_restarts"
+        lines += [f"# HELP {name} Engine processes started again after the one before "
+                  f"crashed (the engine in a process of its own).", f"# TYPE {name} counter",
+                  f"{name} {restarts}"]
         for key in sorted(set(ENGINE_METRICS) | set(snapshot)) if snapshot is not None else []:
             kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
             name = PREFIX + key

@@ -33,7 +33,7 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
-from .engine import Engine, _Row, send_events
+from .engine import Engine, Request
 
 
 class PagedEngine(Engine):
@@ -88,22 +88,21 @@ class PagedEngine(Engine):
         hold them (a request it cannot hold yet waits at the head of the queue)."""
         new = PagedBatch.empty()
         while self._waiting and len(self._rows) < self.max_batch_size:
-            handle = self._waiting[0]
-            if handle.cancelled:
+            request = self._waiting[0]
+            if request.cancelled:
                 self._waiting.popleft()
                 self.stats["cancelled"] += 1
                 continue
-            prepared = handle.prepared
             try:
                 row = paged_batch_from_token_ids(
-                    self.cache, [prepared.input_ids], [max(1, prepared.max_new_tokens)],
-                    [handle.id], [prepared.adapter])
+                    self.cache, [request.prompt_ids], [max(1, request.max_new_tokens)],
+                    [request.id], [request.adapter])
             except PoolExhausted:
                 break
             self._waiting.popleft()
-            self._rows[handle.id] = _Row(handle)
+            self._rows[request.id] = request
             if self.cache.prefix_caching:   # vLLM's prefix_cache_queries and _hits, in tokens
-                self.stats["prefix_cache_queries"] += len(prepared.input_ids)
+                self.stats["prefix_cache_queries"] += len(request.prompt_ids)
                 self.stats["prefix_cache_hits"] += row.computed[0]
             new = merge_paged_batches(new, row)
         return new
@@ -116,9 +115,9 @@ class PagedEngine(Engine):
             row = self._rows[rid]
             if row.params.prompt_logprobs:
                 self._guarded(row, self._score_alone, row, adapter, outgoing)
-        send_events(outgoing)
+        self.deliver(outgoing)
 
-    def _score_alone(self, row: _Row, adapter: str | None, outgoing: list) -> None:
+    def _score_alone(self, row: Request, adapter: str | None, outgoing: list) -> None:
         lora = self.adapters.lora
         if lora.names:
             lora.set_rows([adapter])
@@ -138,7 +137,7 @@ class PagedEngine(Engine):
             return self._choose(picked, logits, outgoing)
 
         lora = self.adapters.lora if self.adapters.lora.names else None
-        # EOS is handled by _accept (per row: ignore_eos, grammars), not by the helper.
+        # EOS is handled by Request.accept (per row: ignore_eos, grammars), not by the helper.
         paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
                          max_prefill_tokens, lora, choose=choose)
         self._hand_out(batch, chosen, outgoing)
@@ -150,7 +149,7 @@ class PagedEngine(Engine):
         for name in ("_batch", "_new"):
             batch = getattr(self, name)
             cancelled = [i for i, rid in enumerate(batch.request_ids)
-                         if self._rows[rid].handle.cancelled]
+                         if self._rows[rid].cancelled]
             for i in cancelled:
                 batch.done[i] = True
                 del self._rows[batch.request_ids[i]]

@@ -12,8 +12,10 @@ Two families of protocols come in:
   adapter's name goes in ``model``.
 
 Each body becomes a ``Call``: the prompts, one ``GenerationParams`` that the engine
-understands, and how the answer is shaped (how many sequences, echo, log probabilities). A
-parameter that this server does not implement is never silently ignored: if a request sets it
+understands, and how the answer is shaped (how many sequences, echo, log probabilities). The
+parsers check shapes and what each protocol allows; the ranges of the engine's parameters are
+checked once, by ``GenerationParams.check`` (``contract.py``). A parameter that this server
+does not implement is never silently ignored: if a request sets it
 to anything but its "off" value (null, false, an empty list), the answer is a 422 that names
 it. Every error is ``{"error": "...", "error_type": "..."}`` with an HTTP status, as LoRAX does.
 """
@@ -22,21 +24,25 @@ from __future__ import annotations
 
 import re
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 
-#: Stop sequences one request may give (LoRAX's default limit too).
-MAX_STOP_SEQUENCES = 4
-#: Alternatives per token that ``return_k_alternatives`` (or OpenAI ``logprobs``) may ask for.
-MAX_ALTERNATIVES = 10
-#: Seeds are 64-bit unsigned integers (what ``torch.Generator.manual_seed`` takes).
-MAX_SEED = 2**64 - 1
-#: Adapter sources this server can load from; LoRAX also knows "s3" and "pbase".
-ADAPTER_SOURCES = ("local", "hub")
-KNOWN_ADAPTER_SOURCES = ("local", "hub", "s3", "pbase")
+from .contract import MAX_ALTERNATIVES, GenerationParams
+from .errors import InvalidRequest
+
+#: Alternatives per token each protocol lets a request ask for (the engine's bound,
+#: ``contract.MAX_ALTERNATIVES``, is OpenAI chat's 20):
+#: LoRAX's ``return_k_alternatives`` (TGI's ``top_n_tokens``)
+MAX_LORAX_ALTERNATIVES = 10
+#: OpenAI chat's ``top_logprobs`` (0 to 20, as OpenAI allows)
+MAX_TOP_LOGPROBS = MAX_ALTERNATIVES
+#: OpenAI completions' ``logprobs`` (0 to 5, as OpenAI's legacy completions allow)
+MAX_COMPLETION_LOGPROBS = 5
+#: Rows one request may start (prompts x n x best_of): each row takes a batch slot.
+MAX_ROWS_PER_REQUEST = 16
 
 
 class ApiError(Exception):
@@ -56,56 +62,6 @@ class ApiError(Exception):
 def invalid(message: str, status: int = 422) -> ApiError:
     """A validation error (422 unless told otherwise)."""
     return ApiError(status, message, "validation")
-
-
-# --- what the engine gets ----------------------------------------------------------------
-
-@dataclass
-class GenerationParams:
-    """One request's generation settings, checked, in the engine's terms. (Lesson 07.)
-
-    max_new_tokens None means "the server's default" (see ``Engine.prepare``). Sampling is on
-    when ``do_sample`` is set or when any of temperature / top_k / top_p is given (as in TGI and
-    LoRAX); otherwise decoding is greedy. ``grammar`` constrains the output: ``("json",
-    schema)`` (JSON mode) or ``("regex", pattern)``; None is free text. A matched stop sequence
-    stays in the text (as in LoRAX); the OpenAI route cuts the text before it.
-
-    max_new_tokens 0 generates nothing (with ``prompt_logprobs``: score the prompt only, the
-    loglikelihood request of evaluation harnesses). ``prompt_logprobs`` asks for every prompt
-    token's log probability (LoRAX/TGI ``decoder_input_details``, OpenAI ``echo`` with
-    ``logprobs``). The penalties follow OpenAI: ``frequency_penalty`` is subtracted from a
-    token's logit once per time it was generated so far, ``presence_penalty`` once if it was;
-    ``logit_bias`` adds a fixed amount to listed token ids.
-    """
-
-    max_new_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos_token: bool = False
-    truncate: int | None = None
-    details: bool = False
-    return_full_text: bool = False
-    alternatives: int | None = None
-    adapter_id: str | None = None
-    adapter_source: str | None = None
-    api_token: str | None = None
-    grammar: tuple[str, Any] | None = None
-    typical_p: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: bool = False
-
-    @property
-    def sampling(self) -> bool:
-        """True when the next token is drawn at random (else: the most likely one)."""
-        return bool(self.do_sample or self.temperature is not None or self.top_k is not None
-                    or self.top_p is not None or self.typical_p is not None)
 
 
 # --- what one HTTP request asks for --------------------------------------------------------
@@ -233,8 +189,10 @@ class CompletionRequest(_OpenAISampling):
     """An OpenAI ``/v1/completions`` body. ``model`` names the adapter (or the base model);
     ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    # list[int] before list[str]: a long list of token ids then validates in one pass (smart
+    # unions try the members in order, and a failing list[str] would list an error per item).
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = None         # None (missing or null): OpenAI's default, 16
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -243,11 +201,17 @@ class CompletionRequest(_OpenAISampling):
 
 class ChatMessage(_Strict):
     """One chat message. ``content`` is a text, or a list of parts of which only
-    ``{"type": "text", "text": ...}`` is understood (this model reads no images)."""
+    ``{"type": "text", "text": ...}`` is understood (this model reads no images).
 
-    role: Literal["system", "user", "assistant", "developer"]
+    The tool-calling roles ("tool", "function") and fields (``tool_calls``, ``function_call``,
+    ``tool_call_id``) are known here only so that ``parse_chat`` can refuse them by name."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    tool_call_id: Any = None
 
 
 class ChatRequest(_OpenAISampling):
@@ -258,6 +222,13 @@ class ChatRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Tool calling, which this server refuses by name (``_refuse_tools``); Any, so that every
+    # value reaches that check and its message.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 def _validate(model: type[BaseModel], data: Any) -> BaseModel:
@@ -335,54 +306,22 @@ def _grammar_of(fmt: ResponseFormat | None, grammar: Grammar | None,
     return ("json", grammar.value)
 
 
-def _greedy_if_zero(p: GenerationParams) -> None:
-    """Temperature 0 means "always the most likely token" (OpenAI, vLLM, TGI's clients): the
-    same as greedy decoding, on every route."""
-    if p.temperature is not None and p.temperature == 0:
-        p.temperature, p.do_sample = None, False
-        p.top_k = p.top_p = p.typical_p = None
+def _checked(params: GenerationParams, prefix: str = "") -> GenerationParams:
+    """``params`` with temperature 0 read as greedy, checked by ``GenerationParams.check`` (the
+    one check of every parameter's range; pydantic checked their types), as an ApiError."""
+    try:
+        return params.greedy_if_zero().check(prefix)
+    except InvalidRequest as err:
+        raise invalid(err.message) from None
 
 
-def _check_common(p: GenerationParams, prefix: str = "") -> None:
-    """Range checks shared by all protocols (pydantic checked the types). The bounds that keep
-    the sampler's arithmetic finite (NaN and Infinity, temperature, penalties, stop lengths,
-    logit_bias) are ``guards.check_ranges``. Call after ``_greedy_if_zero``."""
-    checks = [
-        (p.max_new_tokens is None or p.max_new_tokens >= 0, "max_new_tokens",
-         "must not be negative", p.max_new_tokens),
-        (p.temperature is None or p.temperature > 0, "temperature", "must be >= 0",
-         p.temperature),
-        (p.top_k is None or p.top_k >= 1, "top_k", "must be strictly positive", p.top_k),
-        (p.top_p is None or 0 < p.top_p <= 1, "top_p", "must be > 0 and <= 1", p.top_p),
-        (p.seed is None or 0 <= p.seed <= MAX_SEED, "seed", "must be between 0 and 2**64 - 1",
-         p.seed),
-        (p.truncate is None or p.truncate >= 1, "truncate", "must be strictly positive",
-         p.truncate),
-    ]
-    for ok, name, rule, value in checks:
-        if not ok:
-            raise invalid(f"`{prefix}{name}` {rule}, got {value}")
-    if p.alternatives is not None and not 0 <= p.alternatives <= MAX_ALTERNATIVES:
-        raise invalid(f"alternatives per token must be between 0 and {MAX_ALTERNATIVES}, got "
-                      f"{p.alternatives}")
-    _check_stop_and_source(p, prefix)
-    from .guards import check_ranges   # finite numbers in ranges the sampler survives
-
-    check_ranges(p, prefix)
-
-
-def _check_stop_and_source(p: GenerationParams, prefix: str) -> None:
-    if len(p.stop) > MAX_STOP_SEQUENCES:
-        raise invalid(f"`{prefix}stop` may hold at most {MAX_STOP_SEQUENCES} sequences, got "
-                      f"{len(p.stop)}")
-    if any(s == "" for s in p.stop):
-        raise invalid(f"`{prefix}stop` holds an empty string, which would stop at once")
-    if p.adapter_source is not None and p.adapter_source not in ADAPTER_SOURCES:
-        if p.adapter_source in KNOWN_ADAPTER_SOURCES:
-            raise _unsupported(f"{prefix}adapter_source={p.adapter_source}",
-                               f"this server loads adapters from {list(ADAPTER_SOURCES)} only")
-        raise invalid(f"`{prefix}adapter_source` must be one of {list(ADAPTER_SOURCES)}, got "
-                      f"{p.adapter_source!r}")
+def check_rows(prompts: int, n: int | None = 1, best_of: int | None = 1) -> None:
+    """One request may start at most ``MAX_ROWS_PER_REQUEST`` rows: prompts x max(n,
+    best_of) (each row is generated in full, whatever is returned)."""
+    copies = max(n or 1, best_of or 1)
+    if prompts * copies > MAX_ROWS_PER_REQUEST:
+        raise invalid(f"this request would generate {prompts * copies} sequences ({prompts} "
+                      f"prompts x {copies}); at most {MAX_ROWS_PER_REQUEST} per request")
 
 
 def _check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int:
@@ -424,9 +363,10 @@ def parse_lorax(data: Any) -> Call:
                       "(TGI) ask for the same thing: give one of them")
     alternatives = p.return_k_alternatives if p.return_k_alternatives is not None \
         else p.top_n_tokens
-    if alternatives is not None and alternatives < 1:
-        raise invalid("`parameters.return_k_alternatives` (or `top_n_tokens`) must be "
-                      "strictly positive")
+    if alternatives is not None and not 1 <= alternatives <= MAX_LORAX_ALTERNATIVES:
+        raise invalid(f"`parameters.return_k_alternatives` (or `top_n_tokens`): alternatives "
+                      f"per token must be between 1 and {MAX_LORAX_ALTERNATIVES}, got "
+                      f"{alternatives}")
     params = GenerationParams(
         max_new_tokens=p.max_new_tokens, stop=list(p.stop or []), do_sample=bool(p.do_sample),
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
@@ -440,8 +380,7 @@ def parse_lorax(data: Any) -> Call:
     if params.max_new_tokens is not None and params.max_new_tokens < 1:
         raise invalid(f"`parameters.max_new_tokens` must be at least 1, got "
                       f"{params.max_new_tokens}")
-    _greedy_if_zero(params)
-    _check_common(params, "parameters.")
+    _checked(params, "parameters.")
     best_of = _check_best_of(p.best_of, 1, params.sampling, "parameters.best_of")
     if best_of > 1 and request.stream:
         raise invalid("`parameters.best_of` > 1 cannot be streamed (as in LoRAX): set "
@@ -449,6 +388,7 @@ def parse_lorax(data: Any) -> Call:
     if best_of > 1 and params.seed is not None:
         raise invalid("`parameters.seed` cannot be set with `best_of` > 1: each sequence "
                       "draws its own seed")
+    check_rows(1, 1, best_of)
     return Call([request.inputs], params, stream=bool(request.stream), best_of=best_of)
 
 
@@ -462,6 +402,9 @@ BASE_MODEL_NAMES = ("", "base", "__base__", "dummy", "tgi")
 MAX_PROMPTS = 16
 #: Messages in one chat request.
 MAX_MESSAGES = 256
+#: New tokens of a completions request without ``max_tokens`` (or with ``max_tokens: null``):
+#: OpenAI's default for its (legacy) completions.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def adapter_of(model: str | None, model_id: str) -> str | None:
@@ -477,20 +420,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         if not re.fullmatch(r"[0-9]{1,9}", key):
             raise invalid(f"`logit_bias` keys are token ids (strings of at most 9 digits 0-9), "
                           f"got {key[:20]!r}")
-        if not -100 <= value <= 100:
-            raise invalid(f"`logit_bias` values must be between -100 and 100, got {value} "
-                          f"for token {key}")
-        out[int(key)] = float(value)
+        out[int(key)] = float(value)          # its range: GenerationParams.check
     return out
 
 
 def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | None,
                    alternatives: int | None) -> GenerationParams:
     """GenerationParams from the fields completions and chat completions share."""
-    if request.stream_options is not None:
-        unknown = set(request.stream_options) - {"include_usage"}
-        if unknown:
-            raise _unsupported(f"stream_options.{sorted(unknown)[0]}", "only include_usage is")
+    _check_stream_options(request)
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = GenerationParams(
         max_new_tokens=max_tokens, stop=stop, temperature=request.temperature,
@@ -505,18 +442,52 @@ def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | No
         grammar=_grammar_of(request.response_format, None, ""))
     if params.temperature is not None and params.temperature < 0:
         raise invalid(f"`temperature` must be >= 0, got {params.temperature}")
-    _greedy_if_zero(params)
-    _check_common(params)
-    return params
+    return _checked(params)
+
+
+def _check_stream_options(request: _OpenAISampling) -> None:
+    """``stream_options`` only with ``stream: true`` (as OpenAI: it says how to stream);
+    ``null`` is accepted either way. Of its options only ``include_usage`` exists here."""
+    options = request.stream_options
+    if options is None:
+        return
+    if request.stream is not True:
+        raise invalid("`stream_options` is only allowed when `stream` is true: leave it unset "
+                      "(or null) for an answer that is not streamed")
+    unknown = set(options) - {"include_usage"}
+    if unknown:
+        raise _unsupported(f"stream_options.{sorted(unknown)[0]}", "only include_usage is")
+    if options.get("include_usage") is not None and \
+            not isinstance(options["include_usage"], bool):
+        raise invalid(f"`stream_options.include_usage` must be true or false, got "
+                      f"{options['include_usage']!r}")
+
+
+def _is_token_ids(value) -> bool:
+    """A non-empty list of integers (JSON's true and false are not): one prompt as token ids."""
+    return isinstance(value, list) and bool(value) and all(type(x) is int for x in value)
+
+
+def _check_prompt_count(data: Any) -> None:
+    """OpenAI's ``prompt`` is one text, one list of token ids (one prompt, however long: the
+    engine bounds its length by its longest input), or a list of texts or of token-id lists
+    (several prompts, at most ``MAX_PROMPTS``). Like ``_check_count``, this runs before
+    validating the list item by item; a long list that is not all integers counts as prompts."""
+    value = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(value, list) and len(value) > MAX_PROMPTS and not _is_token_ids(value):
+        raise invalid(f"`prompt` holds {len(value)} items; at most {MAX_PROMPTS} per request "
+                      f"(a list of texts or of token-id lists is that many prompts; one prompt "
+                      f"given as token ids is a flat list of integers)")
 
 
 def _prompts_of(prompt) -> list:
     """OpenAI's four prompt shapes as a list of prompts (each a string or a list of ids)."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(isinstance(x, int) for x in prompt):
-        return [list(prompt)]                  # one prompt given as token ids
-    prompts = list(prompt)
+    if _is_token_ids(prompt):
+        prompts = [list(prompt)]               # one prompt given as token ids
+    else:
+        prompts = list(prompt)
     if not prompts:
         raise invalid("`prompt` is an empty list: give at least one prompt")
     if len(prompts) > MAX_PROMPTS:
@@ -551,16 +522,21 @@ def parse_completion(data: Any, model_id: str) -> Call:
     ``max_tokens`` 0 with ``echo`` and ``logprobs`` scores the prompt and generates nothing
     (the loglikelihood request of evaluation harnesses).
     """
-    _check_count(data, "prompt", MAX_PROMPTS)
+    _check_prompt_count(data)
     request = _validate(CompletionRequest, data)
     _reject_extras(request, "")
     if request.suffix is not None:
         raise _unsupported("suffix", "no insertion mode")
-    if request.logprobs is not None and not 0 <= request.logprobs <= 5:
-        raise invalid(f"`logprobs` must be between 0 and 5, got {request.logprobs}")
-    if request.max_tokens is not None and request.max_tokens < 0:
-        raise invalid(f"`max_tokens` must not be negative, got {request.max_tokens}")
-    params = _openai_params(request, model_id, request.max_tokens, request.logprobs or None)
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
+                      f"{request.logprobs}")
+    # Missing and null mean the same: OpenAI's default for completions (not the server's
+    # default, which LoRAX requests and chat get).
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None \
+        else request.max_tokens
+    if max_tokens < 0:
+        raise invalid(f"`max_tokens` must not be negative, got {max_tokens}")
+    params = _openai_params(request, model_id, max_tokens, request.logprobs or None)
     params.prompt_logprobs = bool(request.echo) and request.logprobs is not None
     stream = bool(request.stream)
     n = _n_of(request.n)
@@ -568,7 +544,9 @@ def parse_completion(data: Any, model_id: str) -> Call:
     _sample_if_several(params, request, best_of)
     if best_of > n and stream:
         raise invalid("`best_of` cannot be streamed: the best sequence is known only at the end")
-    return Call(_prompts_of(request.prompt), params, stream=stream, best_of=best_of, n=n,
+    prompts = _prompts_of(request.prompt)
+    check_rows(len(prompts), n, best_of)
+    return Call(prompts, params, stream=stream, best_of=best_of, n=n,
                 echo=bool(request.echo), logprobs=request.logprobs,
                 include_usage=bool((request.stream_options or {}).get("include_usage")),
                 model=request.model if params.adapter_id else model_id)
@@ -589,6 +567,37 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(parts)
 
 
+#: Why tool calling is refused, in every message about it.
+_NO_TOOLS = "the model cannot call tools"
+
+
+def _refuse_tools(request: ChatRequest) -> None:
+    """Tool (and legacy function) calling is refused, naming the field: this model cannot call
+    tools, and an answer that ignored them would look like a model that chose not to.
+
+    Each field's "off" value is accepted, since it asks for what this server does anyway (as
+    ``_reject_extras`` ignores unknown keys set to null, false or an empty list): ``tools``
+    and ``functions`` null or ``[]``, ``tool_choice`` and ``function_call`` null or
+    ``"none"`` (OpenAI's "call no tool"), ``parallel_tool_calls`` null or false. Anything else
+    (``"auto"``, ``"required"``, a named function, ``parallel_tool_calls: true``) is a 422."""
+    off = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+           "function_call": (None, "none"), "parallel_tool_calls": (None, False)}
+    for name, values in off.items():
+        value = getattr(request, name)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in values):
+            raise _unsupported(name, _NO_TOOLS)
+    for i, message in enumerate(request.messages):
+        if message.role in ("tool", "function"):
+            raise invalid(f"`messages[{i}].role` is {message.role!r}: this server has no tool "
+                          f"calling ({_NO_TOOLS}), so there is no tool call for a {message.role} "
+                          f"result to answer; leave such messages out")
+        for name in ("tool_calls", "function_call", "tool_call_id"):
+            if getattr(message, name) not in (None, []):
+                raise invalid(f"`messages[{i}].{name}` is not supported by this server "
+                              f"({_NO_TOOLS}, so no tool call can be in the conversation); "
+                              f"leave it unset")
+
+
 def _check_count(data: Any, key: str, most: int) -> None:
     """A list in the body longer than the server takes is refused before validating it item
     by item (a cheap body of 200,000 tiny prompts would otherwise keep the event loop busy)."""
@@ -599,22 +608,26 @@ def _check_count(data: Any, key: str, most: int) -> None:
 
 def parse_chat(data: Any, model_id: str) -> Call:
     """An OpenAI chat completions body as a ``Call`` whose ``messages`` are
-    ``[{"role", "content"}]`` with text content; the route turns them into the prompt with
-    the model's chat template (``chat.py``)."""
+    ``[{"role", "content"}]`` with text content; the engine turns them into the prompt with
+    the model's chat template (``admission.py``, ``tokens.py``)."""
     _check_count(data, "messages", MAX_MESSAGES)
     request = _validate(ChatRequest, data)
     _reject_extras(request, "")
     if not request.messages:
         raise invalid("`messages` is empty: give at least one message")
+    _refuse_tools(request)
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         raise invalid("give `max_completion_tokens` or `max_tokens`, not both")
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
-        else request.max_tokens
+    # Missing and null mean the same (neither field given: the server's default, capped by
+    # the room the model has left); OpenAI's chat has no fixed default either.
+    given = "max_completion_tokens" if request.max_completion_tokens is not None \
+        else "max_tokens"
+    max_tokens = getattr(request, given)
     if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"`max_completion_tokens` must be at least 1, got {max_tokens}")
+        raise invalid(f"`{given}` must be at least 1, got {max_tokens}")
     top = request.top_logprobs
-    if top is not None and not 0 <= top <= 5:
-        raise invalid(f"`top_logprobs` must be between 0 and 5, got {top}")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
     if top is not None and not request.logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true")
     params = _openai_params(request, model_id, max_tokens, top or None)
@@ -622,6 +635,7 @@ def parse_chat(data: Any, model_id: str) -> Call:
                 for i, m in enumerate(request.messages)]
     n = _n_of(request.n)
     _sample_if_several(params, request, n)
+    check_rows(1, n, n)
     return Call([], params, stream=bool(request.stream), best_of=n, n=n,
                 logprobs=(top or 0) if request.logprobs else None,
                 include_usage=bool((request.stream_options or {}).get("include_usage")),

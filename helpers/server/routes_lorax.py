@@ -16,46 +16,38 @@ TGI's ``top_n_tokens`` is answered as TGI does too, in ``details.top_tokens``.
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import guards
+from .contract import TokenEvent
 from .protocol import Call, parse_lorax
-from .runner import Run, Sequence, check_call, pick, prompt_text, read_json
+from .serving import Completion, Run, event_stream, pick, read_json, sse
 
 router = APIRouter()
 
 
-def sse(data) -> str:
-    """One server-sent event, as LoRAX writes it (``data:`` then compact JSON)."""
-    return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
-
-
-def event_stream(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
 async def parse(request: Request) -> Call:
-    engine = request.app.state.engine
-    return check_call(parse_lorax(await read_json(request)), engine, "parameters.")
+    return parse_lorax(await read_json(request))
+
+
+async def start(request: Request, call: Call) -> Run:
+    return await Run.start(request.app.state.engine, call, request.app.state.metrics)
 
 
 def top_tokens(engine, token: dict) -> list[dict]:
     """TGI's ``top_tokens`` entry of one generated token: its alternatives, each with
     ``special`` (LoRAX's ``alternative_tokens`` have no such field)."""
-    special = set(engine.tokenizer.all_special_ids)
+    special = engine.special_ids
     return [{**alt, "special": alt["id"] in special}
             for alt in token.get("alternative_tokens") or []]
 
 
-def details(engine, sequence: Sequence, call: Call) -> dict:
+def details(engine, sequence: Completion, call: Call) -> dict:
     """The ``details`` of one sequence (LoRAX's shape, with TGI's ``top_tokens`` when asked)."""
     finish = sequence.finish
-    out = {"finish_reason": finish["finish_reason"], "prompt_tokens": finish["prompt_tokens"],
-           "generated_tokens": finish["generated_tokens"], "seed": finish["seed"],
+    out = {"finish_reason": finish.reason, "prompt_tokens": finish.prompt_tokens,
+           "generated_tokens": finish.generated_tokens, "seed": finish.seed,
            "prefill": [{k: t[k] for k in ("id", "text", "logprob")}
                        for t in sequence.prompt_tokens or []],
            "tokens": sequence.tokens}
@@ -64,60 +56,59 @@ def details(engine, sequence: Sequence, call: Call) -> dict:
     return out
 
 
-def generated_text(engine, sequence: Sequence, call: Call) -> str:
-    text = sequence.finish["generated_text"]
+def generated_text(sequence: Completion, call: Call) -> str:
+    text = sequence.finish.text
     if call.params.return_full_text:
-        text = prompt_text(engine, sequence.prepared) + text
+        text = sequence.prompt + text
     return text
 
 
-def answer(engine, sequences: list[Sequence], call: Call) -> dict:
+def answer(engine, sequences: list[Completion], call: Call) -> dict:
     """The answer to a non-streaming request: the best of its sequences (one unless
     ``best_of``), the others in ``details.best_of_sequences``."""
     best, *others = pick(sequences, len(sequences))
-    out = {"generated_text": generated_text(engine, best, call)}
+    out = {"generated_text": generated_text(best, call)}
     if call.params.details:
         out["details"] = {**details(engine, best, call), "best_of_sequences": None}
         if call.best_of > 1:
             out["details"]["best_of_sequences"] = [
-                {"generated_text": generated_text(engine, s, call),
+                {"generated_text": generated_text(s, call),
                  **{k: v for k, v in details(engine, s, call).items() if k != "prompt_tokens"}}
                 for s in others]
     return out
 
 
 async def generate_answer(request: Request, call: Call) -> dict:
-    engine = request.app.state.engine
-    run = await Run.start(engine, call)
-    return answer(engine, await run.collect(request), call)
+    run = await start(request, call)
+    return answer(request.app.state.engine, await run.collect(request), call)
 
 
-def stream_message(engine, sequence: Sequence, event, call: Call) -> dict:
+def stream_message(engine, sequence: Completion, event: TokenEvent, call: Call) -> dict:
     """One server-sent event: the token; on the last one also the text and the details."""
     message = {"index": 0, "token": event.token, "generated_text": None, "details": None}
     if call.params.alternatives:
         message["top_tokens"] = top_tokens(engine, event.token)
     finish = event.finish
     if finish is not None:
-        message["generated_text"] = generated_text(engine, sequence, call)
-        message["details"] = {"finish_reason": finish["finish_reason"],
-                              "prompt_tokens": finish["prompt_tokens"],
-                              "input_length": finish["prompt_tokens"],       # TGI's name
-                              "generated_tokens": finish["generated_tokens"],
-                              "seed": finish["seed"]}
+        message["generated_text"] = generated_text(sequence, call)
+        message["details"] = {"finish_reason": finish.reason,
+                              "prompt_tokens": finish.prompt_tokens,
+                              "input_length": finish.prompt_tokens,       # TGI's name
+                              "generated_tokens": finish.generated_tokens,
+                              "seed": finish.seed}
     return message
 
 
 async def stream(request: Request, call: Call) -> StreamingResponse:
-    """Server-sent events, one per generated token. The request is prepared and queued before
+    """Server-sent events, one per generated token. The request is admitted and queued before
     the response starts, so a refused request is an HTTP error, not an event."""
     engine = request.app.state.engine
-    run = await Run.start(engine, call)
+    run = await start(request, call)
 
     async def messages():
         try:
             async for sequence, event in run.events():
-                if hasattr(event, "finish") and event.token is not None:   # not the prompt
+                if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
                     yield sse(stream_message(engine, sequence, event, call))
         except Exception as err:          # failed after the stream started: say so in it
             message, error_type = guards.stream_failure(err, request)   # (logs a bug)

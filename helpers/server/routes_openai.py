@@ -2,7 +2,8 @@
 
     POST /v1/completions         completions (``stream`` too); the adapter goes in ``model``
     POST /v1/chat/completions    chat completions (``stream`` too); the prompt is the messages
-                                 written out with the model's chat template (``chat.py``)
+                                 written out with the model's chat template (in the engine:
+                                 ``admission.py``, ``tokens.py``)
     GET  /v1/models              the base model and the adapters
     GET  /v1/models/{id}         one of them (404 for a name this server does not serve)
 
@@ -20,26 +21,26 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from . import chat, errors, guards
+from . import errors, guards
+from .contract import PromptEvent
 from .protocol import Call, adapter_of, parse_chat, parse_completion
-from .routes_lorax import event_stream, sse
-from .runner import Run, Sequence, check_call, pick, prompt_text, read_json
+from .serving import Completion, Run, event_stream, pick, read_json, sse
 
 router = APIRouter()
 
 
-def finish_reason(sequence: Sequence) -> str:
-    return "length" if sequence.finish["finish_reason"] == "length" else "stop"
+def finish_reason(sequence: Completion) -> str:
+    return "length" if sequence.finish.reason == "length" else "stop"
 
 
-def cut(sequence: Sequence) -> tuple[str, list[tuple[int, dict]]]:
+def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
     """The generated text as OpenAI returns it (special tokens left out, as vLLM's
     ``skip_special_tokens`` does, and without a matched stop sequence) and the tokens in it,
     each with where it starts in that text. The text is built from the tokens' own pieces, so
     a streamed answer and a whole one are the same text. No token that holds part of the cut
     stop sequence is listed, so the tokens may end a few characters before the text does."""
     finish = sequence.finish
-    stop_at = finish.get("stop_at") if finish["finish_reason"] == "stop_sequence" else None
+    stop_at = finish.stop_at if finish.reason == "stop_sequence" else None
     text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
     for token in sequence.tokens:
         piece, start = token["text"], engine_offset
@@ -56,11 +57,11 @@ def cut(sequence: Sequence) -> tuple[str, list[tuple[int, dict]]]:
     return text, kept
 
 
-def usage(sequences: list[Sequence]) -> dict:
+def usage(sequences: list[Completion]) -> dict:
     """Token counts: each prompt once, every generated sequence (chosen or not)."""
-    prompts = {s.index: s.finish["prompt_tokens"] for s in sequences}
+    prompts = {s.index: s.finish.prompt_tokens for s in sequences}
     prompt_tokens = sum(prompts.values())
-    completion_tokens = sum(s.finish["generated_tokens"] for s in sequences)
+    completion_tokens = sum(s.finish.generated_tokens for s in sequences)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -76,8 +77,11 @@ def top_of(token: dict) -> dict:
 
 
 async def parse(request: Request, parser) -> Call:
-    engine = request.app.state.engine
-    return check_call(parser(await read_json(request), engine.model_id), engine)
+    return parser(await read_json(request), request.app.state.engine.model_id)
+
+
+async def start(request: Request, call: Call) -> Run:
+    return await Run.start(request.app.state.engine, call, request.app.state.metrics)
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -88,7 +92,7 @@ def completion_logprobs(entries: list[tuple[int, str, float | None, dict | None]
             "top_logprobs": [e[3] for e in entries], "text_offset": [e[0] for e in entries]}
 
 
-def prompt_entries(sequence: Sequence) -> list[tuple]:
+def prompt_entries(sequence: Completion) -> list[tuple]:
     """The echoed prompt's tokens as logprobs entries; the first has no log probability and
     no alternatives (nothing comes before it)."""
     entries, offset = [], 0
@@ -98,9 +102,9 @@ def prompt_entries(sequence: Sequence) -> list[tuple]:
     return entries
 
 
-def completion_choice(engine, sequence: Sequence, call: Call, index: int) -> dict:
+def completion_choice(sequence: Completion, call: Call, index: int) -> dict:
     text, kept = cut(sequence)
-    prefix = prompt_text(engine, sequence.prepared) if call.echo else ""
+    prefix = sequence.prompt if call.echo else ""
     logprobs = None
     if call.logprobs is not None:
         entries = prompt_entries(sequence) if call.echo else []
@@ -111,21 +115,20 @@ def completion_choice(engine, sequence: Sequence, call: Call, index: int) -> dic
             "finish_reason": finish_reason(sequence)}
 
 
-def chosen(run: Run, call: Call) -> list[Sequence]:
+def chosen(run: Run, call: Call) -> list[Completion]:
     """The sequences returned: the ``n`` best of each prompt's copies, prompt by prompt."""
     return [s for group in run.by_prompt() for s in pick(group, call.n)]
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    engine = request.app.state.engine
     call = await parse(request, parse_completion)
-    run = await Run.start(engine, call)
+    run = await start(request, call)
     if call.stream:
         meta = header("text_completion", call)
-        return openai_stream(completion_stream(engine, run, call, meta), run, call, meta)
+        return openai_stream(completion_stream(run, call, meta), run, call, meta)
     sequences = await run.collect(request)
-    choices = [completion_choice(engine, s, call, i) for i, s in enumerate(chosen(run, call))]
+    choices = [completion_choice(s, call, i) for i, s in enumerate(chosen(run, call))]
     return JSONResponse({**header("text_completion", call), "choices": choices,
                          "usage": usage(sequences)})
 
@@ -186,7 +189,7 @@ def openai_stream(chunks, run: Run, call: Call, meta: dict):
             async for chunk in chunks:
                 yield chunk
             if call.include_usage:
-                yield sse({**meta, "choices": [], "usage": usage(run.sequences)})
+                yield sse({**meta, "choices": [], "usage": usage(run.completions)})
             yield "data: [DONE]\n\n"
         except Exception as err:
             message, error_type = guards.stream_failure(err)      # (logs a bug)
@@ -196,9 +199,9 @@ def openai_stream(chunks, run: Run, call: Call, meta: dict):
     return event_stream(events())
 
 
-async def completion_stream(engine, run: Run, call: Call, meta: dict):
+async def completion_stream(run: Run, call: Call, meta: dict):
     """The chunks of a streamed completion (``openai_stream`` adds the end)."""
-    held = {s: Held(call.params.stop) for s in run.sequences}
+    held = {s: Held(call.params.stop) for s in run.completions}
 
     def chunk(index, text, tokens, offset=0, reason=None, prompt=None):
         logprobs = None
@@ -210,13 +213,13 @@ async def completion_stream(engine, run: Run, call: Call, meta: dict):
                                          "finish_reason": reason}]})
 
     prefixes = {}
-    for s in run.sequences:
-        prefixes[s] = prompt_text(engine, s.prepared) if call.echo else ""
+    for s in run.completions:
+        prefixes[s] = s.prompt if call.echo else ""
         if call.echo and not call.params.prompt_logprobs:
             yield chunk(s.index * call.n + s.copy, prefixes[s], [])
     async for s, event in run.events():
         index, offset = s.index * call.n + s.copy, len(prefixes[s])
-        if not hasattr(event, "finish"):           # the prompt's tokens (echo + logprobs)
+        if isinstance(event, PromptEvent):         # the prompt's tokens (echo + logprobs)
             yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
             continue
         if event.finish is None:
@@ -241,7 +244,7 @@ def chat_logprobs(tokens: list[tuple[int, dict]]) -> dict:
                         for _, t in tokens]}
 
 
-def chat_choice(sequence: Sequence, call: Call, index: int) -> dict:
+def chat_choice(sequence: Completion, call: Call, index: int) -> dict:
     text, kept = cut(sequence)
     return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": chat_logprobs(kept) if call.logprobs is not None else None,
@@ -249,10 +252,8 @@ def chat_choice(sequence: Sequence, call: Call, index: int) -> dict:
 
 
 async def chat_run(request: Request) -> tuple[Run, Call]:
-    engine = request.app.state.engine
-    call = await parse(request, parse_chat)
-    prompt = await chat.prompt(engine, call.messages)
-    return await Run.start(engine, call, [prompt]), call
+    call = await parse(request, parse_chat)      # the engine writes out the messages
+    return await start(request, call), call
 
 
 @router.post("/v1/chat/completions")
@@ -269,17 +270,17 @@ async def chat_completions(request: Request):
 
 async def chat_stream(run: Run, call: Call, meta: dict):
     """The chunks of a streamed chat completion (``openai_stream`` adds the end)."""
-    held = {s: Held(call.params.stop) for s in run.sequences}
+    held = {s: Held(call.params.stop) for s in run.completions}
 
     def chunk(index, delta, tokens=(), reason=None):
         logprobs = chat_logprobs(list(tokens)) if call.logprobs is not None and tokens else None
         return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
-    for s in run.sequences:
+    for s in run.completions:
         yield chunk(s.copy, {"role": "assistant", "content": ""})
     async for s, event in run.events():
-        if not hasattr(event, "finish"):
+        if isinstance(event, PromptEvent):
             continue
         if event.finish is None:
             text, tokens = held[s].add(event.token)
@@ -302,7 +303,7 @@ def model_card(name: str) -> dict:
 @router.get("/v1/models")
 def models(request: Request):
     engine = request.app.state.engine
-    names = [engine.model_id] + engine.adapters.available()
+    names = [engine.model_id] + engine.adapters_available()
     return {"object": "list", "data": [model_card(name) for name in names]}
 
 
@@ -312,8 +313,8 @@ def model(request: Request, name: str):
     adapter = adapter_of(name, engine.model_id)
     if adapter is None:                # the base model, under any of its names
         return model_card(engine.model_id)
-    available = engine.adapters.available()
-    if adapter not in available and adapter not in engine.adapters.loaded:
+    available = engine.adapters_available()
+    if adapter not in available and adapter not in engine.adapters_loaded():
         raise errors.NotFound(f"the model {name!r} does not exist on this server: it serves "
                               f"{engine.model_id!r} and the adapters {available}")
     return model_card(name)

@@ -1,0 +1,189 @@
+"""Admission: a submission checked against the server's limits and made ready for the
+scheduler. (Lesson 07.)
+
+Everything a request costs before it reaches the model happens here, in the thread that
+submits it (a worker thread of the HTTP side, or of the engine's process), never in the
+scheduler: the chat template, tokenizing (bounded by the prompt's length first), the limits on
+tokens, loading the adapter, compiling the grammar, drawing the seeds. (The parameters' ranges
+were checked at the door, by ``GenerationParams.check``.) The scheduler (``engine.py``) only ever sees
+``Admitted`` prompts.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from .adapters import AdapterStore
+from .contract import GenerationParams, Submission
+from .errors import InvalidRequest, TooLarge
+from .grammar import Grammars
+from .tokens import CHARS_PER_MESSAGE, encode_chat, encode_text, own_encoder
+
+#: A prompt longer than this many characters per allowed token is refused before it is
+#: tokenized (see ``Admission.max_prompt_chars``).
+CHARS_PER_TOKEN_MARGIN = 2
+#: Memory one request may take for its prompt's log probabilities (``prompt_logprobs``): the
+#: logits of every prompt position, in float32, about three times over (the model's output,
+#: a float copy, the log-softmax).
+MAX_SCORING_BYTES = 256 * 2**20
+SCORING_COPIES = 3
+
+
+@dataclass
+class Admitted:
+    """One prompt of a submission, ready for the scheduler."""
+
+    text: str                    # the prompt as text (decoded, when given as token ids)
+    input_ids: list[int]
+    max_new_tokens: int
+    adapter: str | None          # the name loaded in the engine's MultiLora, None for none
+    grammar: object | None       # the compiled grammar (grammar.Compiled), None for free text
+
+
+class Admission:
+    """The checks and preparation of ``Engine.submit``. ``limits``: max_input_tokens,
+    max_total_tokens, default_max_new_tokens, vocab_size (the engine's)."""
+
+    def __init__(self, tokenizer, adapters: AdapterStore, *, max_input_tokens: int,
+                 max_total_tokens: int, default_max_new_tokens: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.adapters = adapters
+        self.grammars = Grammars(tokenizer)
+        self.max_input_tokens = max_input_tokens
+        self.max_total_tokens = max_total_tokens
+        self.default_max_new_tokens = default_max_new_tokens
+        self.vocab_size = vocab_size
+        # Client text never becomes a special token (``tokens.py``); a private copy of the
+        # Rust tokenizer needs no lock (None: the tokenizer has none, ``encode_text`` locks).
+        self._encoder = own_encoder(tokenizer)
+        # A token never stands for more characters than the longest token of the vocabulary.
+        longest = max(len(token) for token in tokenizer.get_vocab())
+        self.max_prompt_chars = max_input_tokens * longest * CHARS_PER_TOKEN_MARGIN
+
+    def admit(self, submission: Submission) -> list[Admitted]:
+        """Every prompt of ``submission``, checked and prepared (a bad one refuses the whole
+        submission before anything runs). Raises ``errors.EngineError``."""
+        params = submission.params       # checked at the door (protocol.py: params.check)
+        prompts = submission.prompts
+        if submission.messages is not None:
+            prompts = [self._chat_prompt(submission.messages)]
+        if not prompts:
+            raise InvalidRequest("the request holds no prompt")
+        return [self._admit_one(prompt, params) for prompt in prompts]
+
+    def seeds(self, params: GenerationParams, copies: int) -> list[int | None]:
+        """Each copy's sampling seed: the request's (the next ones for more copies), or drawn
+        at random; None for greedy decoding."""
+        if not params.sampling:
+            return [None] * copies
+        first = params.seed if params.seed is not None else secrets.randbits(63)
+        return [(first + number) % 2**64 for number in range(copies)]
+
+    # --- one prompt ----------------------------------------------------------------------------
+
+    def _admit_one(self, prompt, params: GenerationParams) -> Admitted:
+        ids = self._prompt_ids(prompt, params.truncate)
+        if len(ids) > self.max_input_tokens:
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(ids)} tokens")
+        # Scoring a prompt keeps one row of logits per prompt token: bounded, so that a short
+        # request to a model with a large vocabulary cannot take gigabytes.
+        scoring_bytes = len(ids) * self.vocab_size * 4 * SCORING_COPIES
+        if params.prompt_logprobs and scoring_bytes > MAX_SCORING_BYTES:
+            most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
+            raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "
+                           f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
+                           f"given: {len(ids)} tokens")
+        max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the "
+                                 f"vocabulary (0 to {self.vocab_size - 1})")
+        adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
+                                        params.api_token)
+        grammar = self._compile_grammar(params.grammar, max_new)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return Admitted(text, ids, max_new, adapter, grammar)
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The chat's token ids with the model's chat template: the template's markers are
+        special tokens, the messages' text never is (``tokens.encode_chat``)."""
+        # A chat that cannot fit is refused by its size before the template runs.
+        size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in messages)
+        if size > self.max_prompt_chars:
+            raise TooLarge(f"the {len(messages)} messages count as {size} characters "
+                           f"({CHARS_PER_MESSAGE} per message for its role and "
+                           f"separators); this server reads prompts of at most "
+                           f"{self.max_input_tokens} tokens")
+        return encode_chat(self.tokenizer, messages)
+
+    def _prompt_ids(self, prompt, truncate: int | None) -> list[int]:
+        """The prompt's token ids (the last ``truncate`` of them, if given). A text prompt too
+        long to fit is refused by its length in characters, before any tokenizing."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
+            ids = self._tokenize(prompt, truncate)
+        elif isinstance(prompt, (list, tuple)):
+            ids = self._check_token_ids(prompt, truncate)
+        else:
+            raise InvalidRequest("the prompt must be a string or a list of token ids")
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]                 # keep the end, nearest the answer
+        if not ids:
+            raise InvalidRequest("the prompt (`inputs`, `prompt`) has no tokens")
+        return list(ids)
+
+    def _tokenize(self, text: str, truncate: int | None) -> list[int]:
+        """Tokenize a prompt, bounding the work by its length first.
+
+        Without ``truncate`` (or with one above --max-input-tokens) a prompt longer than
+        ``max_prompt_chars`` cannot fit: refused at once. With ``truncate`` only the end of
+        the text is tokenized, as many characters as ``truncate + 1`` tokens can stand for
+        (the tokens kept are the same, unless the cut falls inside one very long word)."""
+        keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
+        if keep is None and len(text) > self.max_prompt_chars:
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(text)} characters, more "
+                                 f"than that many tokens can hold")
+        if keep is not None:
+            chars_per_token = self.max_prompt_chars // self.max_input_tokens
+            text = text[-(keep + 1) * chars_per_token:]
+        return encode_text(self._encoder or self.tokenizer, text)
+
+    def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
+        """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
+        if len(ids) > self.max_input_tokens and truncate is None:
+            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
+                                 f"(--max-input-tokens); given: {len(ids)} tokens")
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) \
+                    or not 0 <= token < self.vocab_size:
+                raise InvalidRequest(f"prompt token {i} is {token!r}: token ids are integers "
+                                     f"from 0 to {self.vocab_size - 1}")
+        return list(ids)
+
+    def _max_new_tokens(self, n_prompt: int, asked: int | None) -> int:
+        room = self.max_total_tokens - n_prompt
+        if asked is None:
+            return min(self.default_max_new_tokens, room)
+        if asked > room:
+            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
+                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
+                                 f"{n_prompt} prompt tokens and {asked} new tokens")
+        return asked
+
+    def _compile_grammar(self, grammar, max_new: int):
+        """The compiled grammar (None for free text, or when nothing is generated)."""
+        if grammar is None or max_new == 0:
+            return None
+        kind, value = grammar
+        compiled = self.grammars.compile(kind, value)
+        shortest = compiled.min_tokens
+        if shortest is not None and shortest + 1 > max_new:       # + 1: the EOS after it
+            raise InvalidRequest(f"the shortest answer this {kind} grammar allows takes "
+                                 f"{shortest} tokens of this model, plus the end token; "
+                                 f"`max_new_tokens` is {max_new}")
+        return compiled
+

@@ -1,0 +1,325 @@
+"""The contract between the HTTP side and the engine: what a route submits, what comes back, and
+the interface both kinds of engine offer. (Lesson 07.)
+
+Nothing here imports torch or the engine: the HTTP process of the server (``app.py`` and the
+routes) needs only these types, and the engine's process needs them too.
+
+    routes ──▶ Submission ──▶ engine.submit(submission, sink) ──▶ Handle (answered once)
+    routes ◀── sink([(sequence, event), ...]) ◀── the engine, after every step
+
+* ``GenerationParams``: one request's settings, in the engine's terms; ``check`` is the one
+  place a request's parameters are checked, called once by the protocol parsers at the door
+  (pydantic checked their types before).
+* ``Submission``: one HTTP request's prompts (or chat messages) and settings, with how many
+  copies of each prompt to generate (``best_of``, ``n``). One submission is one call to the
+  engine, answered once: a ``Handle`` (the prompts as the engine read them), or an
+  ``EngineError``.
+* Events, each for one sequence of a submission: ``PromptEvent`` (the prompt's log
+  probabilities), ``TokenEvent`` (a token; on the last one also its ``Finish``),
+  ``ErrorEvent`` (the sequence failed after it was accepted).
+* ``EngineClient``: what the routes call. ``Engine`` (the scheduler in a thread of the HTTP
+  process, ``engine.py``) and ``EngineProcess`` (the same engine in a process of its own,
+  ``engine_process.py``) both are one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Union
+
+from .errors import InvalidRequest
+
+# --- the parameters, and their one check --------------------------------------------------
+
+#: Stop sequences one request may give (LoRAX's default limit too).
+MAX_STOP_SEQUENCES = 4
+#: Longest stop sequence, in characters. Every generated token is searched for each stop
+#: sequence, and a stream holds back as many characters as the longest one is long.
+MAX_STOP_CHARS = 256
+#: Alternatives per token a request may ask for (OpenAI's chat ``top_logprobs`` goes to 20).
+MAX_ALTERNATIVES = 20
+#: Seeds are 64-bit unsigned integers (what ``torch.Generator.manual_seed`` takes).
+MAX_SEED = 2**64 - 1
+#: Adapter sources this server can load from; LoRAX also knows "s3" and "pbase".
+ADAPTER_SOURCES = ("local", "hub")
+KNOWN_ADAPTER_SOURCES = ("local", "hub", "s3", "pbase")
+#: Entries of logit_bias one request may give (OpenAI allows 300).
+MAX_LOGIT_BIAS = 300
+
+#: The range of each sampling parameter, and why it is there.
+#: temperature: the engine divides float32 logits by it. Logits are at most a few hundred;
+#: divided by 1e-3 they stay far below float32's 3.4e38, while 1e-38 makes them inf, and
+#: softmax of inf - inf is NaN. Below 1e-3 sampling already picks the most likely token for
+#: any logit gap above 0.03 (e^30 to 1), so the bound takes nothing away: ask for greedy
+#: (temperature 0 on OpenAI's routes, do_sample false on LoRAX's) instead.
+#: repetition_penalty: logits are divided or multiplied by it; 1e-40 is 0 in float32 (a
+#: division by zero). Useful values are 1.0 to 1.5 (the CTRL paper uses 1.2); [0.01, 100]
+#: leaves room for experiments and keeps penalty x 1/temperature x logit below 1e10.
+#: frequency/presence penalties: OpenAI's range. logit_bias: OpenAI's range (-100 bans a
+#: token, +100 forces it).
+MIN_TEMPERATURE = 1e-3
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+@dataclass
+class GenerationParams:
+    """One request's generation settings, in the engine's terms. (Lesson 07.)
+
+    max_new_tokens None means "the server's default". Sampling is on when ``do_sample`` is set
+    or when any of temperature / top_k / top_p / typical_p is given (as in TGI and LoRAX);
+    otherwise decoding is greedy. ``grammar`` constrains the output: ``("json", schema)``
+    (JSON mode) or ``("regex", pattern)``; None is free text. A matched stop sequence stays
+    in the text (as in LoRAX); the OpenAI route cuts the text before it.
+
+    max_new_tokens 0 generates nothing (with ``prompt_logprobs``: score the prompt only, the
+    loglikelihood request of evaluation harnesses). ``prompt_logprobs`` asks for every prompt
+    token's log probability (LoRAX/TGI ``decoder_input_details``, OpenAI ``echo`` with
+    ``logprobs``). The penalties follow OpenAI: ``frequency_penalty`` is subtracted from a
+    token's logit once per time it was generated so far, ``presence_penalty`` once if it was;
+    ``logit_bias`` adds a fixed amount to listed token ids.
+    """
+
+    max_new_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos_token: bool = False
+    truncate: int | None = None
+    details: bool = False
+    return_full_text: bool = False
+    alternatives: int | None = None
+    adapter_id: str | None = None
+    adapter_source: str | None = None
+    api_token: str | None = None
+    grammar: tuple[str, Any] | None = None
+    typical_p: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: bool = False
+
+    @property
+    def sampling(self) -> bool:
+        """True when the next token is drawn at random (else: the most likely one)."""
+        return bool(self.do_sample or self.temperature is not None or self.top_k is not None
+                    or self.top_p is not None or self.typical_p is not None)
+
+    def greedy_if_zero(self) -> "GenerationParams":
+        """Temperature 0 means "always the most likely token" (OpenAI, vLLM, TGI's clients):
+        the same as greedy decoding, on every route."""
+        if self.temperature is not None and self.temperature == 0:
+            self.temperature, self.do_sample = None, False
+            self.top_k = self.top_p = self.typical_p = None
+        return self
+
+    def check(self, prefix: str = "") -> "GenerationParams":
+        """Every range of every parameter, in one place; ``InvalidRequest`` naming the field
+        (``prefix`` + its name, e.g. ``parameters.top_p``) otherwise. The bounds that keep
+        the sampler's float32 arithmetic finite are explained with the constants above. What
+        depends on the model (token ids in its vocabulary: the prompt's, ``logit_bias``'s) is
+        the engine's to check, in ``admission.py``."""
+        def bad(name: str, rule: str, value) -> InvalidRequest:
+            return InvalidRequest(f"`{prefix}{name}` {rule}, got {value!r}")
+
+        for name in ("temperature", "top_p", "repetition_penalty", "typical_p",
+                     "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value)):
+                raise bad(name, "must be a finite number", value)
+        t = self.temperature
+        if t is not None and t < MIN_TEMPERATURE:
+            raise bad("temperature", f"must be at least {MIN_TEMPERATURE:g} (below that "
+                      f"sampling is greedy in all but name and float32 logits overflow: ask "
+                      f"for greedy decoding, temperature 0, instead)", t)
+        low, high = REPETITION_PENALTY_RANGE
+        checks = [
+            ("max_new_tokens", self.max_new_tokens, lambda v: v >= 0, "must not be negative"),
+            ("top_k", self.top_k, lambda v: v >= 1, "must be strictly positive"),
+            ("top_p", self.top_p, lambda v: 0 < v <= 1, "must be > 0 and <= 1"),
+            ("typical_p", self.typical_p, lambda v: 0 < v <= 1, "must be > 0 and <= 1 (1 is none)"),
+            ("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, "must be between 0 and 2**64 - 1"),
+            ("truncate", self.truncate, lambda v: v >= 1, "must be strictly positive"),
+            ("repetition_penalty", self.repetition_penalty, lambda v: low <= v <= high,
+             f"must be between {low:g} and {high:g} (1 is none)"),
+            ("alternatives", self.alternatives, lambda v: 0 <= v <= MAX_ALTERNATIVES,
+             f"(alternatives per token) must be between 0 and {MAX_ALTERNATIVES}"),
+        ] + [(name, getattr(self, name), lambda v: PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1],
+              f"must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}")
+             for name in ("frequency_penalty", "presence_penalty")]
+        for name, value, ok, rule in checks:
+            if value is not None and not ok(value):
+                raise bad(name, rule, value)
+        self._check_stop_and_source(prefix)
+        self._check_logit_bias(prefix)
+        return self
+
+    def _check_stop_and_source(self, prefix: str) -> None:
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidRequest(f"`{prefix}stop` may hold at most {MAX_STOP_SEQUENCES} "
+                                 f"sequences, got {len(self.stop)}")
+        for stop in self.stop:
+            if stop == "":
+                raise InvalidRequest(f"`{prefix}stop` holds an empty string, which would stop "
+                                     f"at once")
+            if len(stop) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"`{prefix}stop`: a stop sequence may be at most "
+                                     f"{MAX_STOP_CHARS} characters, got one of {len(stop)}")
+        source = self.adapter_source
+        if source is not None and source not in ADAPTER_SOURCES:
+            if source in KNOWN_ADAPTER_SOURCES:
+                raise InvalidRequest(f"`{prefix}adapter_source={source}` is not supported by "
+                                     f"this server (it loads adapters from "
+                                     f"{list(ADAPTER_SOURCES)} only); leave it unset")
+            raise InvalidRequest(f"`{prefix}adapter_source` must be one of "
+                                 f"{list(ADAPTER_SOURCES)}, got {source!r}")
+
+    def _check_logit_bias(self, prefix: str) -> None:
+        bias = self.logit_bias
+        if not bias:
+            return
+        where = f"`{prefix}logit_bias`"
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"{where} may hold at most {MAX_LOGIT_BIAS} tokens, got "
+                                 f"{len(bias)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"{where}: {token!r} is not a token id")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or not low <= value <= high:
+                raise InvalidRequest(f"{where}: the bias of token {token} must be a number "
+                                     f"between {low:g} and {high:g}, got {value!r}")
+
+
+# --- what a route submits, and what it gets back --------------------------------------------
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class Submission:
+    """One HTTP request for the engine: ``prompts`` (texts, or token ids), or a chat's
+    ``messages`` (``[{"role", "content"}]``, written out with the model's chat template in
+    the engine), each generated ``copies`` times (``best_of``; each copy samples with its
+    own seed)."""
+
+    params: GenerationParams
+    prompts: list[Prompt] = field(default_factory=list)
+    messages: list[dict] | None = None
+    copies: int = 1
+
+
+@dataclass
+class Finish:
+    """How a sequence ended. reason: "length", "eos_token" or "stop_sequence"; stop_at: where
+    the matched stop sequence starts in ``text`` (else None); seconds: since submission."""
+
+    reason: str
+    text: str
+    generated_tokens: int
+    prompt_tokens: int
+    seed: int | None
+    stop_at: int | None
+    seconds: float
+
+
+@dataclass
+class PromptEvent:
+    """The prompt's tokens with their log probabilities (the first: None), before any token."""
+
+    tokens: list[dict]
+
+
+@dataclass
+class TokenEvent:
+    """One generated token (a dict: id, text, logprob, special[, alternative_tokens]).
+    ``finish`` is set on a sequence's last token. With ``max_new_tokens`` 0 the one event
+    has ``token`` None."""
+
+    token: dict | None
+    finish: Finish | None = None
+
+
+@dataclass
+class ErrorEvent:
+    """The sequence failed after it was accepted (the model raised, or the server stops)."""
+
+    message: str
+    error_type: str = "generation"
+    status: int = 500
+
+
+Event = Union[PromptEvent, TokenEvent, ErrorEvent]
+#: Where a submission's events go: called with ``[(sequence, event), ...]`` (``sequence``:
+#: which of the submission's prompts x copies, in order), from the engine's thread.
+Sink = Callable[[list], None]
+
+
+def is_last(event: Event) -> bool:
+    """Whether ``event`` is the last one of its sequence."""
+    return isinstance(event, ErrorEvent) or (isinstance(event, TokenEvent)
+                                             and event.finish is not None)
+
+
+@dataclass(eq=False)
+class Handle:
+    """A submission the engine accepted. ``prompts`` holds each prompt as the engine read it
+    (its text, a token-id prompt decoded); ``sequences`` counts prompts x copies; ``seeds``
+    the seed of each sequence (None: greedy)."""
+
+    id: int
+    prompts: list[str]
+    sequences: int
+    seeds: list[int | None]
+    sink: Sink | None = None
+    tag: object = None          # the submitter's own name for it (``engine_process.py``)
+    cancelled: bool = False
+    done: int = 0               # sequences finished (their last event sent)
+
+    @property
+    def finished(self) -> bool:
+        return 0 < self.sequences <= self.done     # (0: not answered yet)
+
+
+class EngineClient(Protocol):
+    """What the HTTP side uses of an engine: ``Engine`` and ``EngineProcess`` both offer it."""
+
+    model_id: str
+    kv_cache: str
+    max_batch_size: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_prompt_chars: int
+    vocab_size: int
+    special_ids: set[int]
+    restarts: int             # engine processes started again after a crash
+
+    def start(self) -> "EngineClient": ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def submit(self, submission: Submission, sink: Sink | None = None) -> Handle:
+        """Check, prepare and queue every sequence of ``submission`` (blocks: call it from a
+        worker thread); raises ``errors.EngineError``. The events go to ``sink``."""
+
+    def cancel(self, handle: Handle) -> None:
+        """Drop a submission's unfinished sequences (its client went away)."""
+
+    def snapshot(self) -> dict: ...
+
+    def info(self) -> dict: ...
+
+    def adapters_available(self) -> list[str]: ...
+
+    def adapters_loaded(self) -> list[str]: ...

@@ -1,0 +1,228 @@
+"""Tokenizing what clients send so that their text never becomes a special token. (Lesson 07.)
+
+A tokenizer recognises the text of its special tokens anywhere: ``tokenizer("a<|endoftext|>b")``
+gives the end-of-text token's id, not the ids of ``<``, ``|``, ``endoftext``... A client who
+types ``<|endoftext|>`` (or ``<|im_start|>system``) in a prompt or a chat message would then
+end the text, or forge a turn of the conversation, with tokens only the server should write.
+The rule here: text from a client is always tokenized as text; the special tokens a chat
+template writes (its markers, the end of a turn) are still special tokens.
+
+The Rust tokenizer (``tokenizers`` >= 0.15) can read special tokens' text as plain text: its
+``encode_special_tokens`` property. transformers exposes it as ``split_special_tokens=True``,
+but does it by setting that property on the tokenizer's *shared* Rust object at every call:
+two threads, one with and one without, change it under each other (with transformers 5 a call
+then gets the other's setting, with transformers 4.57 it raises "Already borrowed"). So this
+module keeps private copies of the Rust tokenizer, each set once and then only read, as
+``engine._own_encoder`` does for prompts: threads need no lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+import threading
+from typing import Callable, NamedTuple
+
+from .errors import InvalidRequest
+
+#: What each chat message costs beside its text, counted in characters (for the bound on a
+#: prompt's size before the template runs): a template writes a role and separators for every
+#: message, so many empty messages are not free.
+CHARS_PER_MESSAGE = 16
+
+#: Text to check that a copy of the Rust tokenizer tokenizes as the tokenizer does.
+_SAMPLE = "Jack and Jill went up the hill, 1 2 3 :) \n\u00e9"
+#: Only for tokenizers without a Rust tokenizer: they are called under this lock.
+_SHARED_LOCK = threading.Lock()
+
+
+def own_encoder(tokenizer):
+    """A private copy of ``tokenizer``'s Rust tokenizer for client text: no truncation, no
+    padding, and special tokens' text read as text (``encode_special_tokens``). Nothing else
+    sees or changes the copy, so threads can call its ``encode`` without a lock. None for a
+    tokenizer without a Rust tokenizer, or one whose copy does not tokenize ordinary text as
+    the tokenizer does (transformers adds some models' special tokens itself)."""
+    own = _rust_copy(tokenizer)
+    if own is not None:
+        own.encode_special_tokens = True
+    return own
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of client ``text``, with every special token's text tokenized as
+    ordinary text; the tokenizer still adds its own BOS/EOS when ``add_special_tokens``.
+    ``tokenizer`` is a transformers tokenizer or the copy ``own_encoder`` made of one."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        if not tokenizer.encode_special_tokens:
+            raise ValueError("this Rust tokenizer reads special tokens in text: give the copy "
+                             "that own_encoder(tokenizer) makes")
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    return _encoders(tokenizer).text(text, add_special_tokens)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``messages`` written with the tokenizer's chat template: the template's
+    own text is tokenized as usual (its special tokens are special tokens), each message's
+    ``content`` as client text (``encode_text``). InvalidRequest as ``render_chat`` raises it.
+
+    How: the template is applied twice, to the messages and to copies whose contents are
+    replaced by random markers. The second text is cut at the markers: the pieces between are
+    the template's own text, and the first text must be those pieces with the contents put
+    back (as they are, or stripped, as ``| trim`` does); each piece is tokenized on its own.
+    A template that changes contents otherwise (or writes something else when it sees a marker)
+    gets the whole text tokenized as before, accepted only if the special tokens in it are
+    exactly the template's own: else InvalidRequest, since they cannot be kept apart.
+
+    As in ``render_chat``, a template that writes the BOS token itself loses it when the
+    tokenizer adds one, so that the prompt does not start with two.
+
+    Tokenizing pieces apart can differ from tokenizing the text at once where BPE would merge
+    across a junction: a content that ends in a space before text (``"Jill "`` + ``"went"``
+    gives ``" "``, ``"went"``, not ``" went"``), a word cut between two messages. The text is
+    the same, only its cut into tokens differs, as it does around every special token (the
+    tokenizer splits the text at special tokens before BPE); transformers' own
+    ``apply_chat_template(..., sanitize_control_tokens=True)`` (in 5.23, not in 4.57)
+    tokenizes a chat's pieces apart the same way. Templates mostly put markers around
+    contents, and with the bundled model's (none) ordinary chats tokenize as before.
+    """
+    contents = [message.get("content") for message in messages]
+    if any(content is not None and not isinstance(content, str) for content in contents):
+        raise InvalidRequest("a message's content must be text")
+    encoders = _encoders(tokenizer)
+    rendered = _render(tokenizer, messages, add_generation_prompt)
+    nonce = secrets.token_hex(8)
+    while nonce in rendered or any(nonce in content for content in contents if content):
+        nonce = secrets.token_hex(8)
+    # Markers of private-use characters around a random part that no client can guess.
+    marked = _render(tokenizer, [{**message, "content": f"\ue000{nonce}:{i}\ue001"} if content
+                                 else message for i, (message, content)
+                                 in enumerate(zip(messages, contents))], add_generation_prompt)
+    # Template text at even places, the index of a message at odd ones.
+    pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)
+    bos = tokenizer.bos_token if encoders.prefix[:1] == [tokenizer.bos_token_id] else None
+    drop = len(bos) if bos and marked.startswith(bos) and rendered.startswith(bos) else 0
+    for put_back in (str, str.strip):
+        parts = [piece if k % 2 == 0 else put_back(contents[int(piece)])
+                 for k, piece in enumerate(pieces)]
+        if "".join(parts) == rendered:
+            break
+    else:
+        return _whole(tokenizer, encoders, rendered[drop:], pieces[::2], drop)
+    parts[0] = parts[0][drop:]
+    ids, start = list(encoders.prefix), True
+    for k, part in enumerate(parts):
+        if part:
+            ids += _piece(encoders, encoders.text if k % 2 else encoders.plain, part, start)
+            start = False
+    return ids + encoders.suffix
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The prompt text of ``messages`` with the tokenizer's chat template, ending where the
+    assistant's answer begins: what ``encode_chat`` tokenizes. A template that writes the
+    begin-of-text token itself loses it when the tokenizer adds one, so that the prompt does
+    not start with two."""
+    text = _render(tokenizer, messages)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and _encoders(tokenizer).prefix[:1] == [
+            tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+class _Encoders(NamedTuple):
+    plain: Callable[[str, bool], list[int]]     # special tokens are special: the template's text
+    text: Callable[[str, bool], list[int]]      # special tokens are text: the client's text
+    prefix: list[int]                           # what add_special_tokens puts before the text
+    suffix: list[int]                           # ... and after it
+    newline: list[int]                          # the ids of "\n", for _piece
+
+
+@functools.lru_cache(maxsize=8)
+def _encoders(tokenizer) -> _Encoders:
+    """Both ways to tokenize with ``tokenizer``, made once per tokenizer (a tokenizer changed
+    afterwards, tokens added, needs ``_encoders.cache_clear()``)."""
+    plain, text = _rust_copy(tokenizer), own_encoder(tokenizer)
+    if plain is not None and text is not None:
+        def plain_ids(s, add): return plain.encode(s, add_special_tokens=add).ids
+        def text_ids(s, add): return text.encode(s, add_special_tokens=add).ids
+    else:                             # no Rust tokenizer of our own: the shared one, locked
+        def plain_ids(s, add): return _shared(tokenizer, s, add, split=False)
+        def text_ids(s, add): return _shared(tokenizer, s, add, split=True)
+    bare, full = plain_ids("a", False), plain_ids("a", True)
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare),
+              None)
+    if at is None:
+        raise ValueError("the tokenizer's special tokens are not added around the text")
+    return _Encoders(plain_ids, text_ids, full[:at], full[at + len(bare):],
+                     plain_ids("\n", False))
+
+
+def _rust_copy(tokenizer):
+    """A copy of the tokenizer's Rust tokenizer, no truncation or padding; None as in
+    ``own_encoder``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_str(backend.to_str())
+    own.no_truncation()
+    own.no_padding()
+    if own.encode(_SAMPLE, add_special_tokens=True).ids != \
+            tokenizer(_SAMPLE, add_special_tokens=True)["input_ids"]:
+        return None
+    return own
+
+
+def _shared(tokenizer, text: str, add_special_tokens: bool, split: bool) -> list[int]:
+    with _SHARED_LOCK:
+        return tokenizer(text, add_special_tokens=add_special_tokens,
+                         split_special_tokens=split)["input_ids"]
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The tokenizer's chat template applied to ``messages``. InvalidRequest if the model has
+    no template or the template refuses the messages (some raise, e.g. on roles out of
+    order)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template: use /v1/completions with a "
+                             "prompt instead")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as err:        # jinja2's TemplateError, or the template's own raise
+        raise InvalidRequest(f"the model's chat template refused these messages: "
+                             f"{str(err).splitlines()[0][:200]}") from None
+
+
+def _piece(encoders: _Encoders, encode, piece: str, start: bool) -> list[int]:
+    """The ids of a piece of the text, without the tokenizer's BOS/EOS. A piece after the start
+    is tokenized after a newline that is then taken off: tokenizers that put a space before the
+    start of a text (SentencePiece's "\u2581") would otherwise put one before every piece.
+    (transformers does the same in ``encode_marked_chat``.)"""
+    if not start:
+        ids = encode("\n" + piece, False)
+        if ids[:len(encoders.newline)] == encoders.newline:
+            return ids[len(encoders.newline):]
+    return encode(piece, False)
+
+
+def _whole(tokenizer, encoders: _Encoders, text: str, template_pieces: list[str],
+           drop: int) -> list[int]:
+    """The ids of the whole ``text`` tokenized as before, for a template that changes the
+    contents; InvalidRequest if it holds other special tokens than the template's own."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    template_pieces[0] = template_pieces[0][drop:]
+    own = [i for piece in template_pieces for i in encoders.plain(piece, False) if i in special]
+    ids = encoders.plain(text, True)
+    inner = ids[len(encoders.prefix):len(ids) - len(encoders.suffix)]
+    if [i for i in inner if i in special] != own:
+        raise InvalidRequest("this model's chat template changes the messages' text, so special "
+                             "tokens written in a message cannot be told from the template's "
+                             "own: remove them from the messages")
+    return ids
