@@ -407,6 +407,45 @@ def test_limits_raise_engine_errors(reference):
         admit(engine, "", GenerationParams())
 
 
+def test_seeds_and_the_queue_count_every_sequence_of_a_submission():
+    """Each prompt and each copy samples with a seed of its own (a given seed: the next ones
+    for the copies, the same for each prompt); a submission is queued whole or refused whole
+    (one that would not fit waits only when the queue is empty)."""
+    model, tokenizer = load_model(device="cpu")
+    engine = Engine(model, tokenizer, max_batch_size=1, max_queue=3)
+    engine._thread = SimpleNamespace(is_alive=lambda: True)   # "running", but never steps
+    sampled = GenerationParams(max_new_tokens=2, temperature=1.0)
+    handle = engine.submit(Submission(sampled, ["Jack", "Jack"], copies=2))
+    assert handle.sequences == 4 and len(set(handle.seeds)) == 4
+    assert engine.snapshot()["waiting"] == 4                  # alone: it may wait whole
+    with pytest.raises(Overloaded):
+        engine.submit(Submission(GenerationParams(max_new_tokens=2), ["Jill"]))
+    engine._waiting.clear()
+    seeded = GenerationParams(max_new_tokens=2, temperature=1.0, seed=7)
+    assert engine.submit(Submission(seeded, ["a", "b"], copies=2)).seeds == [7, 8, 7, 8]
+    with pytest.raises(Overloaded):              # 4 waiting + 1 more > 3: nothing is queued
+        engine.submit(Submission(GenerationParams(max_new_tokens=2), ["Jill"]))
+    assert engine.snapshot()["waiting"] == 4
+
+
+def test_a_sink_that_fails_loses_only_its_own_events(reference):
+    """A submission whose sink raises (its event loop closed): the others still get every
+    token, and the scheduler keeps running."""
+    model, tokenizer = load_model(device="cpu")
+    engine = Engine(model, tokenizer, max_batch_size=4).start()
+
+    def broken(events):
+        raise RuntimeError("Event loop is closed")
+
+    try:
+        engine.submit(Submission(GenerationParams(max_new_tokens=8), ["Humpty Dumpty"]), broken)
+        events = run(engine, [("Jack and Jill", GenerationParams(max_new_tokens=6))])[0]
+        assert tokens_of(events) == expected_ids(reference, "Jack and Jill", 6)
+        assert engine.healthy
+    finally:
+        engine.stop()
+
+
 # --- the paged engine is the contiguous one, on another cache ---------------------------------
 
 @pytest.mark.skipif(not HAVE_ADAPTERS, reason="the shipped adapters are missing")

@@ -73,8 +73,8 @@ class Admission:
         return [self._admit_one(prompt, params) for prompt in prompts]
 
     def seeds(self, params: GenerationParams, copies: int) -> list[int | None]:
-        """Each copy's sampling seed: the request's (the next ones for more copies), or drawn
-        at random; None for greedy decoding."""
+        """The sampling seeds of one prompt's copies: the request's seed and the next ones, or
+        drawn at random; None for greedy decoding."""
         if not params.sampling:
             return [None] * copies
         first = params.seed if params.seed is not None else secrets.randbits(63)

@@ -155,8 +155,7 @@ def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
     @app.get("/health")
     async def health():
         if not engine.healthy:
-            return JSONResponse({"error": "the scheduler is not running (a crashed engine "
-                                          "process is restarted on its own)",
+            return JSONResponse({"error": "the scheduler is not running",
                                  "error_type": "unavailable",
                                  "engine_restarts": engine.restarts}, status_code=503)
         return {"status": "ok", "engine_restarts": engine.restarts}

@@ -259,7 +259,8 @@ class ErrorEvent:
 
 Event = Union[PromptEvent, TokenEvent, ErrorEvent]
 #: Where a submission's events go: called with ``[(sequence, event), ...]`` (``sequence``:
-#: which of the submission's prompts x copies, in order), from the engine's thread.
+#: which of the submission's prompts x copies, in order; None for an error that ends the
+#: whole submission), from the engine's thread or the thread reading the engine's process.
 Sink = Callable[[list], None]
 
 

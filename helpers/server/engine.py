@@ -21,7 +21,7 @@ The engine is read top to bottom in four parts:
 
 4. Choosing each row's token by its own rules (greedy or seeded sampling, penalties, logit
    bias, a grammar's mask: ``helpers.server.sampling``), and handing the events out: after
-   every step, one call to ``deliver`` with every event of the step. Each row's adapter is set
+   every forward pass, one call to ``deliver`` with its events. Each row's adapter is set
    with ``MultiLora.set_rows`` (lesson 06) before every forward pass.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
@@ -283,23 +283,25 @@ class Engine:
         the engine is not running), and then nothing was queued."""
         admitted = self.admission.admit(submission)
         params, copies = submission.params, submission.copies
-        seeds = self.admission.seeds(params, copies)
+        # Each prompt its own seeds (the request's seed, if it gave one, for each prompt).
+        seeds = [seed for _ in admitted for seed in self.admission.seeds(params, copies)]
         with self._cond:
             if not self.healthy:
                 raise Unavailable("the server is not running (its scheduler stopped)")
-            if len(self._waiting) >= self.max_queue:
+            # Room for all of its sequences (a submission alone may always wait).
+            if self._waiting and len(self._waiting) + len(seeds) > self.max_queue:
                 self.stats["rejected_overloaded"] += 1
                 raise Overloaded(f"Model is overloaded: {len(self._waiting)} requests are "
                                  f"already waiting (--max-queue {self.max_queue}); retry later")
-            handle = Handle(self._next_handle, [a.text for a in admitted],
-                            len(admitted) * copies, seeds * len(admitted), sink, tag)
+            handle = Handle(self._next_handle, [a.text for a in admitted], len(seeds), seeds,
+                            sink, tag)
             self._next_handle += 1
-            for index, one in enumerate(admitted):
-                for number in range(copies):
-                    self._waiting.append(Request(
-                        self._next_id, handle, index * copies + number, one, params,
-                        seeds[number], self.tokenizer, self.eos_id))
-                    self._next_id += 1
+            requests = [Request(self._next_id + sequence, handle, sequence,
+                                admitted[sequence // copies], params, seed, self.tokenizer,
+                                self.eos_id)
+                        for sequence, seed in enumerate(seeds)]
+            self._next_id += len(requests)
+            self._waiting.extend(requests)
             self.stats["requests"] += handle.sequences
             self._cond.notify_all()
         return handle
@@ -338,6 +340,7 @@ class Engine:
             "json_mode": Grammars.available(),
             "kv_cache": self.kv_cache,
             "engine": "thread",             # EngineProcess says "process"
+            "engine_restarts": self.restarts,
         }
 
     def adapters_available(self) -> list[str]:
@@ -589,7 +592,11 @@ def deliver_to_sinks(outgoing: list[tuple[Request, object]]) -> None:
         by_handle.setdefault(handle, []).append((request.sequence, event))
     for handle, events in by_handle.items():
         if handle.sink is not None and not handle.cancelled:
-            handle.sink(events)
+            try:
+                handle.sink(events)
+            except Exception:       # its event loop is closed: its events only are lost
+                log.exception("the sink of submission %s failed; its events are dropped",
+                              handle.id)
 
 
 def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,

@@ -23,9 +23,9 @@ tokenizer run in the engine's process, in ``admission.py``).
 ``EngineProcess`` is a ``contract.EngineClient``, as ``Engine`` is, so the routes do not know
 which one they talk to. When the engine process dies (killed, out of memory), the requests in
 flight fail with a 503 that says so, ``/health`` answers 503 while a new engine process starts
-(after a pause that doubles with each crash), and ``/metrics`` counts the restarts. After
-``MAX_RESTARTS`` crashes within ``RESTART_WINDOW`` seconds it gives up: ``on_give_up`` is
-called (the server then exits with status 1).
+(after a pause that doubles with each crash), and ``/metrics`` counts the restarts. When
+the process crashes once more after ``MAX_RESTARTS`` restarts within ``RESTART_WINDOW``
+seconds, it gives up: ``on_give_up`` is called (the server then exits with status 1).
 """
 
 from __future__ import annotations
@@ -273,8 +273,9 @@ class _EngineSide:
 
     def _submit(self, message: Submit) -> tuple:
         handle = self.engine.submit(message.submission, tag=message.number)
-        if not handle.finished:
-            self.handles[message.number] = handle
+        self.handles[message.number] = handle
+        if handle.finished:              # its last event may have gone out already
+            self.handles.pop(message.number, None)
         return handle.prompts, handle.sequences, handle.seeds
 
     def deliver(self, outgoing: list) -> None:
@@ -366,7 +367,11 @@ class EngineProcess:
     def start(self) -> "EngineProcess":
         """Start the engine process, unless it runs already, and wait until it is ready."""
         if self._process is None:
-            self._start_process()
+            try:
+                self._start_process()
+            except BaseException:
+                self._process = None           # a later start() tries again
+                raise
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -381,7 +386,9 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        self._reader.join(timeout)
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout)
 
     @property
     def healthy(self) -> bool:
@@ -452,12 +459,14 @@ class EngineProcess:
             raise stopped
         call = next(self._call_ids)
         future: Future = Future()
-        self._calls[call] = future
+        with self._lock:
+            self._calls[call] = future
         deadline = time.monotonic() + ANSWER_SECONDS[kind]
         try:
             self._send(message(call))
         except (OSError, ValueError):
-            self._calls.pop(call, None)
+            with self._lock:
+                self._calls.pop(call, None)
             raise stopped from None
         while True:         # until the answer, the deadline, or the reader's end (no answer)
             try:
@@ -490,7 +499,8 @@ class EngineProcess:
                 if isinstance(message, Events):
                     self._deliver(message.items)
                 elif isinstance(message, Answer):
-                    future = self._calls.pop(message.call, None)
+                    with self._lock:
+                        future = self._calls.pop(message.call, None)
                     if future is not None:
                         future.set_result((message.ok, message.value))
                 elif isinstance(message, Failed):
@@ -523,51 +533,66 @@ class EngineProcess:
                         del self._handles[number]
                 by_handle.setdefault(handle, []).append((sequence, event))
         for handle, events in by_handle.items():
-            handle.sink(events)
+            call_sink(handle, events)
 
     def _fail_everything(self, crashed: bool) -> None:
         """The engine process is gone: every submission still waiting for it gets an error."""
-        for future in list(self._calls.values()):
+        with self._lock:
+            calls, self._calls = self._calls, {}
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for future in calls.values():
             if not future.done():
                 future.set_result((False, ("Unavailable", "the server is not running (its "
                                            "engine process stopped)")))
-        self._calls.clear()
-        with self._lock:
-            handles = list(self._handles.values())
-            self._handles.clear()
         why = ("the server's engine process stopped; it is being restarted" if crashed
                else "the server's engine process stopped")
         for handle in handles:      # one error ends the whole submission (sequence: None)
             handle.done = handle.sequences
-            handle.sink([(None, ErrorEvent(why, status=503, error_type="unavailable"))])
+            call_sink(handle, [(None, ErrorEvent(why, status=503, error_type="unavailable"))])
 
     def _restart(self) -> None:
         """After a crash: a new engine process, after a pause that doubles with each crash
-        in the window; or give up."""
-        now = time.monotonic()
-        self._crashes = [t for t in self._crashes if now - t < RESTART_WINDOW] + [now]
-        if len(self._crashes) > MAX_RESTARTS:
-            message = (f"the engine process crashed {len(self._crashes)} times within "
-                       f"{RESTART_WINDOW:g} s: giving up")
-            log.error(message)
-            if self.on_give_up is not None:
-                self.on_give_up(message)
-            return
-        self._restarting = True
-        pause = RESTART_PAUSE * 2 ** (len(self._crashes) - 1)
-        log.warning("restarting the engine process in %g s (crash %d of at most %d)", pause,
-                    len(self._crashes), MAX_RESTARTS)
-        time.sleep(pause)
-        if self._stopping:
-            return
-        try:
-            self._start_process()
+        in the window (a restart that fails counts as one more); or give up."""
+        while not self._stopping:
+            now = time.monotonic()
+            self._crashes = [t for t in self._crashes if now - t < RESTART_WINDOW] + [now]
+            if len(self._crashes) > MAX_RESTARTS:
+                message = (f"the engine process crashed {len(self._crashes)} times within "
+                           f"{RESTART_WINDOW:g} s: giving up")
+                log.error(message)
+                if self.on_give_up is not None:
+                    self.on_give_up(message)
+                return
+            self._restarting = True
+            pause = RESTART_PAUSE * 2 ** (len(self._crashes) - 1)
+            log.warning("restarting the engine process in %g s (crash %d; at most %d "
+                        "restarts in %g s)", pause, len(self._crashes), MAX_RESTARTS,
+                        RESTART_WINDOW)
+            time.sleep(pause)
+            if self._stopping:
+                break
+            try:
+                self._start_process()
+            except Exception as err:
+                if not self._stopping:
+                    log.error("the engine process could not be restarted: %s", err)
+                continue                           # one more crash
+            finally:
+                self._restarting = False
+            if self._stopping:                     # stop() came while it was starting
+                self.stop()
+                return
             self.restarts += 1
             log.warning("the engine process is running again (restart %d)", self.restarts)
-        except Exception as err:
-            log.error("the engine process could not be restarted: %s", err)
-            self._crashes.append(time.monotonic())
-            if self.on_give_up is not None:
-                self.on_give_up(f"the engine process could not be restarted: {err}")
-        finally:
-            self._restarting = False
+            return
+        self._restarting = False
+
+
+def call_sink(handle: Handle, events: list) -> None:
+    """Hand events to a submission's sink; a sink that fails (its event loop closed) loses
+    its own events and nobody else's."""
+    try:
+        handle.sink(events)
+    except Exception:
+        log.exception("the sink of submission %s failed; its events are dropped", handle.id)

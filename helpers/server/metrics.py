@@ -105,8 +105,8 @@ class Metrics:
     def __init__(self):
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Seconds from a request's submission to its first generated token (queueing and "
-            "prefill included).", TTFT_BUCKETS)
+            "Seconds from the moment a request was read to its first generated token "
+            "(admission, queueing and prefill included).", TTFT_BUCKETS)
         self.per_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Seconds between two consecutive generated tokens of one request.", TOKEN_BUCKETS)

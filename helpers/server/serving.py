@@ -12,7 +12,8 @@ protocol's answer. Everything between is here, once:
     run.close()                                  # cancels what is unfinished (always called)
 
 The engine answers one submission per HTTP request: its prompts, each generated
-``call.best_of`` times (``n`` and ``best_of`` are copies, each sampling with its own seed);
+``call.best_of`` times (``n`` and ``best_of`` are copies, each sampling with a seed of its
+own);
 ``pick`` chooses the best ones. Events reach the run through its sink, from the engine's
 thread (or the thread reading the engine's process), and are handed to the event loop once per
 step.
@@ -128,8 +129,12 @@ class Run:
                             for i in range(handle.sequences)]
 
     def sink(self, events: list) -> None:
-        """Called from the engine's thread with one step's events of this run."""
-        self.loop.call_soon_threadsafe(self._take, events)
+        """Called from the engine's thread (or the thread reading the engine's process) with
+        one step's events of this run."""
+        try:
+            self.loop.call_soon_threadsafe(self._take, events)
+        except RuntimeError:          # the event loop is closed: nobody is listening
+            pass
 
     def _take(self, events: list) -> None:
         """In the event loop: count each token for /metrics (what the client saw), and queue

@@ -13,7 +13,7 @@ but does it by setting that property on the tokenizer's *shared* Rust object at 
 two threads, one with and one without, change it under each other (with transformers 5 a call
 then gets the other's setting, with transformers 4.57 it raises "Already borrowed"). So this
 module keeps private copies of the Rust tokenizer, each set once and then only read, as
-``engine._own_encoder`` does for prompts: threads need no lock.
+each used for one purpose: threads need no lock (``admission.py`` keeps one for prompts).
 """
 
 from __future__ import annotations
