@@ -242,7 +242,8 @@ def main() -> int:
     args = ap.parse_args()
     files = assets()
     if args.fetch_only:
-        print("in", NPM_DIR.relative_to(ROOT), ":", ", ".join(p.name for p in NPM_DIR.glob("*.tgz")))
+        names = ", ".join(p.name for p in NPM_DIR.glob("*.tgz"))
+        print(f"in {NPM_DIR.relative_to(ROOT)}: {names}")
         return 0
     paths = args.notebooks or sorted((ROOT / "lessons").glob("[0-9]*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)

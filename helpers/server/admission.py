@@ -4,9 +4,9 @@ scheduler. (Lesson 07.)
 Everything a request costs before it reaches the model happens here, in the thread that
 submits it (a worker thread of the HTTP side, or of the engine's process), never in the
 scheduler: the chat template, tokenizing (bounded by the prompt's length first), the limits on
-tokens, loading the adapter, compiling the grammar, drawing the seeds. (The parameters' ranges
-were checked at the door, by ``GenerationParams.check``.) The scheduler (``engine.py``) only ever sees
-``Admitted`` prompts.
+tokens, loading the adapter, compiling the grammar, drawing the seeds. (The parameters'
+ranges were checked at the door, by ``GenerationParams.check``.) The scheduler
+(``engine.py``) only ever sees ``Admitted`` prompts.
 """
 
 from __future__ import annotations

@@ -392,8 +392,9 @@ class EngineProcess:
 
     @property
     def healthy(self) -> bool:
-        return (self._process is not None and self._process.is_alive() and self._failure is None and not self._stopping
-                and not self._restarting and time.monotonic() - self._heard < SILENCE)
+        return (self._process is not None and self._process.is_alive()
+                and self._failure is None and not self._stopping and not self._restarting
+                and time.monotonic() - self._heard < SILENCE)
 
     # --- what the routes call (contract.EngineClient) -----------------------------------------
 

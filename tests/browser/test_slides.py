@@ -69,7 +69,8 @@ def test_deck_offline(lesson, decks, browser):
         page.wait_for_function("() => window.Reveal && Reveal.isReady()", timeout=30_000)
         has_maths = "MathJax" in page.content()[:20_000]
         if has_maths:
-            page.wait_for_function("() => MathJax.startup && MathJax.startup.promise", timeout=30_000)
+            page.wait_for_function("() => MathJax.startup && MathJax.startup.promise",
+                                   timeout=30_000)
             page.evaluate("() => MathJax.startup.promise")
         page.evaluate("() => Reveal.configure({transition: 'none'})")
         total = page.evaluate("() => Reveal.getTotalSlides()")
