@@ -68,14 +68,21 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 CHECK = re.compile(r"\bcheck_\w+\(|from helpers\.checks import")
 
 
+def _text(value) -> str:
+    """A notebook text field: a string, or a list of lines."""
+    return "".join(value) if isinstance(value, list) else value
+
+
 def _source(cell) -> str:
-    src = cell.get("source", "")
-    return "".join(src) if isinstance(src, list) else src
+    return _text(cell.get("source", ""))
+
+
+def _is_plot(data: dict) -> bool:
+    return "image/png" in data or "image/svg+xml" in data
 
 
 def _has_plot(cell) -> bool:
-    return any("image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {})
-               for o in cell.get("outputs", []))
+    return any(_is_plot(o.get("data", {})) for o in cell.get("outputs", []))
 
 
 def _only_widgets(cell) -> bool:
@@ -95,14 +102,12 @@ def _lines(cell) -> int:
     out = 0
     for o in cell.get("outputs", []):
         if "text" in o:
-            body = o["text"]
-            out += len(("".join(body) if isinstance(body, list) else body).splitlines())
+            out += len(_text(o["text"]).splitlines())
         data = o.get("data", {})
-        if "image/png" in data or "image/svg+xml" in data:
+        if _is_plot(data):
             out += PLOT_LINES
         elif "text/plain" in data and WIDGET not in data:
-            body = data["text/plain"]
-            out += len(("".join(body) if isinstance(body, list) else body).splitlines())
+            out += len(_text(data["text/plain"]).splitlines())
     return n + min(out, MAX_OUTPUT_LINES)
 
 

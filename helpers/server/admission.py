@@ -70,6 +70,10 @@ class Admission:
             prompts = [self._chat_prompt(submission.messages)]
         if not prompts:
             raise InvalidRequest("the request holds no prompt")
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:           # the range was checked at the door; the vocabulary is the model's
+            raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the "
+                                 f"vocabulary (0 to {self.vocab_size - 1})")
         return [self._admit_one(prompt, params) for prompt in prompts]
 
     def seeds(self, params: GenerationParams, copies: int) -> list[int | None]:
@@ -96,10 +100,6 @@ class Admission:
                            f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
                            f"given: {len(ids)} tokens")
         max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
-        outside = [t for t in params.logit_bias if t >= self.vocab_size]
-        if outside:
-            raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the "
-                                 f"vocabulary (0 to {self.vocab_size - 1})")
         adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
                                         params.api_token)
         grammar = self._compile_grammar(params.grammar, max_new)

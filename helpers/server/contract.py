@@ -24,11 +24,14 @@ routes) needs only these types, and the engine's process needs them too.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
 from .errors import InvalidRequest
+
+log = logging.getLogger("helpers.server")
 
 # --- the parameters, and their one check --------------------------------------------------
 
@@ -288,6 +291,23 @@ class Handle:
     @property
     def finished(self) -> bool:
         return 0 < self.sequences <= self.done     # (0: not answered yet)
+
+    def count(self, event: Event) -> bool:
+        """Count ``event`` if it ends one of the sequences; True if it ended the last one."""
+        if not is_last(event):
+            return False
+        self.done += 1
+        return self.finished
+
+    def deliver(self, events: list) -> None:
+        """Hand ``[(sequence, event), ...]`` to the sink, unless the submission was cancelled.
+        A sink that fails (its event loop is closed) loses its own events and nobody else's."""
+        if self.sink is None or self.cancelled:
+            return
+        try:
+            self.sink(events)
+        except Exception:
+            log.exception("the sink of submission %s failed; its events are dropped", self.id)
 
 
 class EngineClient(Protocol):

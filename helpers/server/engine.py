@@ -53,7 +53,7 @@ from . import sampling
 from .adapters import AdapterStore
 from .admission import Admission, Admitted
 from .contract import (ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, Sink,
-                       Submission, TokenEvent, is_last)
+                       Submission, TokenEvent)
 from .detok import IncrementalDecoder
 from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
@@ -586,17 +586,10 @@ def deliver_to_sinks(outgoing: list[tuple[Request, object]]) -> None:
     as ``(sequence, event)`` in order. A submission's ``done`` counts its finished sequences."""
     by_handle: dict[Handle, list] = {}
     for request, event in outgoing:
-        handle = request.handle
-        if is_last(event):
-            handle.done += 1
-        by_handle.setdefault(handle, []).append((request.sequence, event))
+        request.handle.count(event)
+        by_handle.setdefault(request.handle, []).append((request.sequence, event))
     for handle, events in by_handle.items():
-        if handle.sink is not None and not handle.cancelled:
-            try:
-                handle.sink(events)
-            except Exception:       # its event loop is closed: its events only are lost
-                log.exception("the sink of submission %s failed; its events are dropped",
-                              handle.id)
+        handle.deliver(events)
 
 
 def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,

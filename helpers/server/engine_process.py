@@ -42,7 +42,7 @@ from concurrent.futures import TimeoutError as NoAnswerYet   # Python 3.10: not 
 from dataclasses import dataclass, field
 
 from . import errors
-from .contract import ErrorEvent, Handle, Sink, Submission, is_last
+from .contract import ErrorEvent, Handle, Sink, Submission
 
 log = logging.getLogger("helpers.server")
 
@@ -85,7 +85,7 @@ class Cancel:                 # HTTP -> engine: its client went away
 
 
 @dataclass
-class Ask:                    # HTTP -> engine: one of QUESTIONS
+class Ask:                    # HTTP -> engine: one of _EngineSide.questions
     call: int
     question: str
 
@@ -133,8 +133,6 @@ class Stopped:                # engine -> HTTP: the last message
     pass
 
 
-#: What the HTTP side may ask the engine process (``Ask``).
-QUESTIONS = ("snapshot", "info", "adapters_available", "adapters_loaded")
 #: The engine's attributes that the HTTP side reads (the routes and app.py).
 LIMITS = ("model_id", "kv_cache", "max_batch_size", "max_queue", "max_input_tokens",
           "max_total_tokens", "max_prompt_chars", "default_max_new_tokens", "vocab_size",
@@ -214,6 +212,10 @@ class _EngineSide:
         self._send_lock = threading.Lock()
         self._reported_failure = False
         engine.deliver = self.deliver                # every step's events: one message
+        #: What the HTTP side may ask (``Ask``), and who answers.
+        self.questions = {"snapshot": self.snapshot, "info": engine.info,
+                          "adapters_available": engine.adapters_available,
+                          "adapters_loaded": engine.adapters_loaded}
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -250,10 +252,8 @@ class _EngineSide:
             handle = self.handles.pop(message.number, None)
             if handle is not None:
                 self.engine.cancel(handle)
-        elif isinstance(message, Ask) and message.question == "snapshot":
-            self._answer(message.call, self.snapshot)
-        elif isinstance(message, Ask) and message.question in QUESTIONS:
-            self._answer(message.call, getattr(self.engine, message.question))
+        elif isinstance(message, Ask) and message.question in self.questions:
+            self._answer(message.call, self.questions[message.question])
         else:
             log.error("unknown message from the HTTP process: %r", message)
 
@@ -283,10 +283,8 @@ class _EngineSide:
         items = []
         for request, event in outgoing:
             handle = request.handle
-            if is_last(event):
-                handle.done += 1
-                if handle.finished:
-                    self.handles.pop(handle.tag, None)
+            if handle.count(event):              # its last event: nothing more to keep
+                self.handles.pop(handle.tag, None)
             items.append((handle.tag, request.sequence, event))
         self.send(Events(items))
 
@@ -528,13 +526,11 @@ class EngineProcess:
                 handle = self._handles.get(number)
                 if handle is None:            # cancelled: nobody listens
                     continue
-                if is_last(event):
-                    handle.done += 1
-                    if handle.finished:
-                        del self._handles[number]
+                if handle.count(event):
+                    del self._handles[number]
                 by_handle.setdefault(handle, []).append((sequence, event))
         for handle, events in by_handle.items():
-            call_sink(handle, events)
+            handle.deliver(events)
 
     def _fail_everything(self, crashed: bool) -> None:
         """The engine process is gone: every submission still waiting for it gets an error."""
@@ -550,7 +546,7 @@ class EngineProcess:
                else "the server's engine process stopped")
         for handle in handles:      # one error ends the whole submission (sequence: None)
             handle.done = handle.sequences
-            call_sink(handle, [(None, ErrorEvent(why, status=503, error_type="unavailable"))])
+            handle.deliver([(None, ErrorEvent(why, status=503, error_type="unavailable"))])
 
     def _restart(self) -> None:
         """After a crash: a new engine process, after a pause that doubles with each crash
@@ -589,11 +585,3 @@ class EngineProcess:
             return
         self._restarting = False
 
-
-def call_sink(handle: Handle, events: list) -> None:
-    """Hand events to a submission's sink; a sink that fails (its event loop closed) loses
-    its own events and nobody else's."""
-    try:
-        handle.sink(events)
-    except Exception:
-        log.exception("the sink of submission %s failed; its events are dropped", handle.id)
