@@ -38,15 +38,19 @@ class PagedKVCache:
 
     num_blocks, block_size: the pool (block_size token positions per block, every layer)
     prefix_caching:         new requests reuse cached blocks of their prompt's prefix
+    spare_blocks:           blocks of the pool beyond ``num_blocks`` that the block manager
+                            never hands out (the compiled step of the server writes padding
+                            there: ``helpers.server.compiled``)
 
     Counters (since creation): ``prefill_tokens`` prompt tokens the model computed,
     ``cached_tokens`` prompt tokens found in the cache instead; ``manager.hit_blocks`` and
     ``manager.looked_up_blocks`` count blocks.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+    def __init__(self, model, num_blocks: int, block_size: int = 16, prefix_caching: bool = True,
+                 spare_blocks: int = 0):
         self.manager = BlockManager(num_blocks, block_size)
-        self.pool = KVPool(model, num_blocks, block_size)
+        self.pool = KVPool(model, num_blocks + spare_blocks, block_size)
         self.prefix_caching = prefix_caching
         self.prefill_tokens = 0
         self.cached_tokens = 0

@@ -155,7 +155,7 @@ def torch_threads(requested: int | None, device) -> int | None:
 
 def build_engine(settings: dict):
     """Load the model and make the engine the settings ask for (not started). ``settings``:
-    model, device, dtype, threads, kv_cache, adapters_dir (None: the course's adapters),
+    model, device, dtype, threads, kv_cache, compile, adapters_dir (None: the course's adapters),
     model_id and the Engine's options
     (``options.ENGINE_OPTIONS``). ValueError for settings that make no sense."""
     import torch
@@ -165,18 +165,25 @@ def build_engine(settings: dict):
     from .options import ENGINE_OPTIONS
     from .paged_engine import PagedEngine
 
+    paged = settings["kv_cache"] == "paged"
+    compile = settings.get("compile", "auto")
+    if compile == "on" and not paged:
+        raise ValueError("--compile on needs --kv-cache paged: the compiled step runs on "
+                         "lesson 08's pool of KV blocks, whose shape never changes")
     model, tokenizer = load_model(settings["model"], device=settings["device"],
                                   dtype=settings["dtype"])
     threads = torch_threads(settings["threads"], model.device)
     if threads is not None:
         torch.set_num_threads(threads)
-    engine_class = PagedEngine if settings["kv_cache"] == "paged" else Engine
     adapters_dir = settings["adapters_dir"]
     if adapters_dir is None:                      # the course's shipped adapters
         from ..lora import ADAPTERS_DIR as adapters_dir
-    return engine_class(model, tokenizer, adapters_dir=adapters_dir,
-                        model_id=settings["model_id"],
-                        **{name: settings[name] for name in ENGINE_OPTIONS})
+    options = {name: settings[name] for name in ENGINE_OPTIONS}
+    if paged:
+        return PagedEngine(model, tokenizer, adapters_dir=adapters_dir,
+                           model_id=settings["model_id"], compile=compile != "off", **options)
+    return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=settings["model_id"],
+                  **options)
 
 
 # --- the engine process -----------------------------------------------------------------------

@@ -56,6 +56,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache", str, "contiguous", "the KV cache: 'contiguous' (one tensor per layer, "
            "lessons 03 and 07) or 'paged' (blocks, prefix caching and chunked prefill, "
            "lesson 08)", choices=("contiguous", "paged")),
+    Option("compile", str, "auto", "the paged cache's decode step compiled with torch.compile "
+           "(lesson 10), at start-up: 'auto' (with --kv-cache paged), 'on' or 'off'",
+           choices=("auto", "on", "off")),
     Option("engine", str, "process", "where the model runs: 'process' (a process of its own, "
            "so that the HTTP side never holds up a step) or 'thread' (a thread of the server's "
            "process: simpler to debug, slower)", choices=("process", "thread")),

@@ -33,6 +33,7 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
+from .compiled import DecodeStep
 from .engine import Engine, Request
 
 
@@ -44,6 +45,8 @@ class PagedEngine(Engine):
     max_prefill_tokens: prompt tokens read per step at most (chunked prefill); None: no cap
     num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
                         ``max_total_tokens`` tokens)
+    compile:            run decode steps compiled (``compiled.py``, lesson 10); compiling
+                        happens here, before the engine answers anything
     Every other argument is ``Engine``'s.
     """
 
@@ -51,12 +54,17 @@ class PagedEngine(Engine):
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, prefix_caching: bool = True,
                  max_prefill_tokens: int | None = 64, num_blocks: int | None = None,
-                 **options):
+                 compile: bool = False, **options):
         super().__init__(model, tokenizer, **options)
         if num_blocks is None:
             num_blocks = self.max_batch_size * math.ceil(self.max_total_tokens / block_size)
         check_prefill_budget(max_prefill_tokens)
-        self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching)
+        # One spare block, which no request owns: the decode step's padding reads it.
+        self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
+        self.decode = DecodeStep(model, self.cache.pool, num_blocks, self.pad_id, compile)
+        if compile:
+            self.decode.warm_up()
+        self.stats["steps_compiled"] = 0
         self.max_prefill_tokens = max_prefill_tokens
         self._batch = PagedBatch.empty()    # rows that have read their prompts
         self._new = PagedBatch.empty()      # rows still reading theirs (chunked prefill)
@@ -137,9 +145,13 @@ class PagedEngine(Engine):
             return self._choose(picked, logits, outgoing)
 
         lora = self.adapters.lora if self.adapters.lora.names else None
-        # EOS is handled by Request.accept (per row: ignore_eos, grammars), not by the helper.
-        paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
-                         max_prefill_tokens, lora, choose=choose)
+        if kind == "decode" and self.decode.usable(batch):
+            self.decode.step(batch, self.cache, choose)
+            self.stats["steps_compiled"] += self.decode.compiled
+        else:
+            # EOS is handled by Request.accept (per row: ignore_eos, grammars), not the helper.
+            paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
+                             max_prefill_tokens, lora, choose=choose)
         self._hand_out(batch, chosen, outgoing)
         self.stats[f"steps_{kind}"] += 1
         self.stats["tokens"] += len(chosen)
@@ -167,11 +179,14 @@ class PagedEngine(Engine):
         """``Engine``'s counters and gauges, and the pool's: blocks held by requests and
         blocks in all (the prefix-cache counters are in ``stats``, counted at admission)."""
         manager = self.cache.manager
+        compiled = {"compiles": self.decode.compiles,
+                    "compile_seconds": self.decode.compile_seconds}
         return {**super().snapshot(), "kv_blocks_used": manager.used,
-                "kv_blocks_total": manager.num_blocks}
+                "kv_blocks_total": manager.num_blocks, **compiled}
 
     def info(self) -> dict:
         return {**super().info(), "kv_block_size": self.cache.block_size,
                 "kv_blocks": self.cache.manager.num_blocks,
                 "prefix_caching": self.cache.prefix_caching,
-                "max_prefill_tokens": self.max_prefill_tokens}
+                "max_prefill_tokens": self.max_prefill_tokens,
+                "compiled": self.decode.compiled}
