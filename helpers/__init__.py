@@ -15,16 +15,20 @@ checks every import in the package against it, imports inside functions included
     5. paged, speculative            the paged KV cache (lesson 08), on top of lesson 03's batches;
                                      speculative decoding (lesson 09)
     6. corpus, plots                 the story world's text, the lessons' figures
-    7. widgets, checks               notebook display: live plots, controls, diagrams; the
+    7. compilation                   the compiled decode step and its measurements (lesson 10),
+                                     on the static cache of transformers, with its figures
+    8. widgets, checks               notebook display: live plots, controls, diagrams; the
                                      learners' checks of the lessons' exercises
-    8. server                        lesson 07's server, built on the layers below
-    9. helpers                       this file: the names the lessons import
+    9. server                        lesson 07's server, built on the layers below
+    10. helpers                      this file: the names the lessons import
 """
 
 #: Where each name lives. ``from helpers import load_model`` imports that name's module on
 #: first use (PEP 562's module ``__getattr__``), so that importing one sub-package, such as
 #: the server's HTTP side (``helpers.server``, which needs no torch), does not import them all.
 _EXPORTS = {
+    "compilation": ["CAPTURE_SIZES", "CountingBackend", "generate_static_cache",
+        "mark_batch_dynamic", "time_decode"],
     "batching": ["Batch", "Step", "Trace", "cache_from_layers", "cache_layers", "filter_batch",
         "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",
         "generate_static", "ideal_decode_steps", "init_batch", "left_pad", "merge_batches",
@@ -79,6 +83,9 @@ __all__ = [
     # lesson 09: speculative decoding (helpers.speculative holds the rest)
     "DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer", "course_draft",
     "speculative_generate",
+    # lesson 10: compilation (helpers.compilation holds the rest)
+    "CAPTURE_SIZES", "CountingBackend", "generate_static_cache", "mark_batch_dynamic",
+    "time_decode",
 ]
 
 

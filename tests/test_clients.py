@@ -45,7 +45,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def url():
-    kv = os.environ.get("COURSE_SERVER_KV")    # "paged": the same tests on lesson 08's cache
+    kv = os.environ.get("COURSE_SERVER_KV")    # "contiguous": the same tests on lesson 03's cache
     server = serve_in_background(name="test-clients", threads=1, adapters=ADAPTERS_DIR,
                                  device="cpu", max_batch_size=8, kv_cache=kv,
                                  env={"HF_HUB_OFFLINE": "1"})

@@ -40,6 +40,13 @@ def compiled():
     engine.stop()
 
 
+def settled(engine) -> dict:
+    """The engine's figures once its step is over (the scheduler counts a step after handing
+    its events out: the step holds the model lock until then)."""
+    with engine._model_lock:
+        return {"steps_compiled": 0, "steps_decode": 0, **engine.snapshot()}
+
+
 def test_warm_up_compiles_two_graphs(compiled):
     """One graph for a single row, one for every batch of two rows or more."""
     snapshot = compiled.snapshot()
@@ -52,7 +59,7 @@ def test_same_tokens_as_lesson_01_and_no_recompiles(compiled, reference):
     """Greedy answers of varying lengths arrive in waves (batches of 1 to 8 rows, histories
     of a few tokens to a hundred): every token as lesson 01's loop gives it, every decode step
     compiled, and not one compile after the warm-up."""
-    before = {"steps_compiled": 0, "steps_decode": 0, **compiled.snapshot()}
+    before = settled(compiled)
     prompts = COURSE_PROMPTS + [SHARED, SHARED + " a bone", "A", "The"]
     lengths = [3, 40, 17, 90, 1, 64, 2, 25, 11, 33]
     requests = [(p, GenerationParams(max_new_tokens=n)) for p, n in zip(prompts * 2, lengths)]
@@ -61,7 +68,7 @@ def test_same_tokens_as_lesson_01_and_no_recompiles(compiled, reference):
     # one row alone, then two: the two graphs of the warm-up
     for batch in ([requests[0]], requests[:2]):
         run(compiled, batch)
-    after = compiled.snapshot()
+    after = settled(compiled)
     assert after["compiles"] == before["compiles"] == 2
     assert after["steps_compiled"] - before["steps_compiled"] > 0
     assert after["steps_compiled"] - before["steps_compiled"] == (
@@ -95,11 +102,11 @@ def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
         expected = [tokens_of(events) for events in run(eager, requests)]
     finally:
         eager.stop()
-    before = compiled.snapshot().get("steps_compiled", 0)
+    before = settled(compiled)["steps_compiled"]
     assert [tokens_of(events) for events in run(compiled, requests)] == expected
-    assert compiled.snapshot()["steps_compiled"] == before      # the adapter row: eager
+    assert settled(compiled)["steps_compiled"] == before      # the adapter row: eager
     run(compiled, requests[1:])
-    assert compiled.snapshot()["steps_compiled"] > before
+    assert settled(compiled)["steps_compiled"] > before
     # The first adapter wraps the model's layers (lesson 06): each graph is traced once more.
     assert compiled.snapshot()["compiles"] <= 4
 
@@ -120,3 +127,21 @@ def test_compile_on_needs_the_paged_cache():
                     compile="on", adapters_dir=None, model_id="bundled")
     with pytest.raises(ValueError, match="--compile on needs --kv-cache paged"):
         build_engine(settings)
+
+
+def test_auto_runs_eager_where_compiling_fails(reference, monkeypatch, caplog):
+    """No C++ compiler on a laptop (torch's CPU compiler needs one): "auto" serves eager and
+    says why in the log; "on" refuses to start."""
+    model, tokenizer = reference
+
+    def fail(self):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(DecodeStep, "warm_up", fail)
+    engine = PagedEngine(model, tokenizer, max_batch_size=2, compile="auto")
+    assert engine.info()["compiled"] is False
+    assert "compiling failed (RuntimeError: no C++ compiler found)" in caplog.text
+    with pytest.raises(RuntimeError, match="no C"):
+        PagedEngine(model, tokenizer, max_batch_size=2, compile="on")
+    with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off', got 'yes'"):
+        PagedEngine(model, tokenizer, max_batch_size=2, compile="yes")

@@ -46,7 +46,7 @@ def test_keywords_become_flags_that_parse_back_to_the_same_values():
     ({"max_batch": 8}, "'max_batch' is not a server option"),
     ({"max_batch_size": "8"}, "max_batch_size must be an integer"),
     ({"max_batch_size": True}, "max_batch_size must be an integer"),
-    ({"kv_cache": "paged!"}, "kv_cache must be one of contiguous, paged"),
+    ({"kv_cache": "paged!"}, "kv_cache must be one of paged, contiguous"),
 ])
 def test_a_wrong_option_is_refused_before_anything_starts(bad, words):
     with pytest.raises(ValueError, match=words):

@@ -77,7 +77,7 @@ def traps(tmp_path_factory):
 def servers(traps):
     """Both servers, started at once (each takes seconds to import torch and load the model).
     On the CPU, as the reference, so that answers can be compared exactly."""
-    kv = os.environ.get("COURSE_SERVER_KV")    # "paged": the same tests on lesson 08's cache
+    kv = os.environ.get("COURSE_SERVER_KV")    # "contiguous": the same tests on lesson 03's cache
     started = {
         "main": serve_in_background(name="test-server", threads=1, adapters=ADAPTERS_DIR,
                                     device="cpu", max_batch_size=8, max_queue=64, kv_cache=kv,

@@ -75,9 +75,13 @@ def fixed_paged_attention(module, query, key, value, attention_mask, scaling=Non
     keys.index_copy_(0, at, key.transpose(1, 2).reshape(-1, *keys.shape[1:]).to(keys.dtype))
     values.index_copy_(0, at, value.transpose(1, 2).reshape(-1, *values.shape[1:])
                        .to(values.dtype))
+    # Each row's history, (rows, kv_heads, length, head_dim); index_select on the flattened
+    # indices copies the entries faster than indexing with the (rows, length) tensor does.
     read = paged.read_indices
-    row_keys = keys[read].transpose(1, 2).to(query.dtype)      # (rows, kv_heads, length, dim)
-    row_values = values[read].transpose(1, 2).to(query.dtype)
+    row_keys = keys.index_select(0, read.view(-1)).view(*read.shape, *keys.shape[1:])
+    row_values = values.index_select(0, read.view(-1)).view(*read.shape, *values.shape[1:])
+    row_keys = row_keys.transpose(1, 2).to(query.dtype)
+    row_values = row_values.transpose(1, 2).to(query.dtype)
     output = F.scaled_dot_product_attention(query, row_keys, row_values, attn_mask=paged.mask,
                                             scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
@@ -134,13 +138,16 @@ class DecodeStep:
         log.warning("compiled the decode step in %.1f s (%d graphs; --compile off skips it)",
                     time.perf_counter() - start, self.compiles)
 
+    def run_eager(self, why: str) -> None:
+        """From now on, run the model eager (and say why in the log)."""
+        self.compiled, self._forward = False, self._run_model
+        log.warning("%s: running the decode step eager from now on", why)
+
     def usable(self, batch: PagedBatch) -> bool:
         """This step takes a batch of rows that generate (no prompt left to read) with no
         LoRA adapter. Once compiling has gone out of bounds, it runs eager."""
         if self.compiled and self.compiles > MAX_COMPILES:
-            self.compiled, self._forward = False, self._run_model
-            log.warning("the decode step was compiled %d times: running it eager from now on",
-                        self.compiles)
+            self.run_eager(f"the decode step was compiled {self.compiles} times")
         return (len(batch) > 0 and not any(batch.adapters)
                 and not any(batch.prefilling(row) for row in range(len(batch))))
 

@@ -181,7 +181,7 @@ def build_engine(settings: dict):
     options = {name: settings[name] for name in ENGINE_OPTIONS}
     if paged:
         return PagedEngine(model, tokenizer, adapters_dir=adapters_dir,
-                           model_id=settings["model_id"], compile=compile != "off", **options)
+                           model_id=settings["model_id"], compile=compile, **options)
     return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=settings["model_id"],
                   **options)
 

@@ -44,20 +44,21 @@ OPTIONS: tuple[Option, ...] = (
            "'gpt2', or a local folder"),
     Option("adapters", str, None, "folder of LoRA adapters, one sub-folder per adapter "
            "(default: the course's shipped adapters)"),
-    # 32: sixteen streams (and a few more) run as one batch. A larger batch costs nothing while
-    # fewer requests come, since the batch only ever holds the requests that are there.
-    Option("max_batch_size", int, 32, "requests generated together (the slots of lesson 03)"),
+    # 64: sixty-four streams run as one batch (vLLM's CPU build takes up to 128). A larger batch
+    # costs nothing while fewer requests come, since it only ever holds the requests there are.
+    Option("max_batch_size", int, 64, "requests generated together (the slots of lesson 03)"),
     Option("max_input_tokens", int, None, "longest prompt in tokens (default: half of "
            "max_total_tokens)"),
     Option("max_total_tokens", int, None, "prompt + new tokens of one request (default: the "
            "model's context)"),
     Option("max_queue", int, 64, "requests that may wait for a slot; one more gets 429"),
     Option("default_max_new_tokens", int, 64, "new tokens for a request that does not say"),
-    Option("kv_cache", str, "contiguous", "the KV cache: 'contiguous' (one tensor per layer, "
-           "lessons 03 and 07) or 'paged' (blocks, prefix caching and chunked prefill, "
-           "lesson 08)", choices=("contiguous", "paged")),
-    Option("compile", str, "auto", "the paged cache's decode step compiled with torch.compile "
-           "(lesson 10), at start-up: 'auto' (with --kv-cache paged), 'on' or 'off'",
+    Option("kv_cache", str, "paged", "the KV cache: 'paged' (blocks, prefix caching and chunked "
+           "prefill, lesson 08) or 'contiguous' (one tensor per layer, lessons 03 and 07)",
+           choices=("paged", "contiguous")),
+    Option("compile", str, "auto", "compile the paged cache's decode step with torch.compile at "
+           "start-up (lesson 10): 'auto' (with --kv-cache paged; eager, with a warning, where "
+           "compiling fails, e.g. no C++ compiler), 'on' (fail instead) or 'off'",
            choices=("auto", "on", "off")),
     Option("engine", str, "process", "where the model runs: 'process' (a process of its own, "
            "so that the HTTP side never holds up a step) or 'thread' (a thread of the server's "

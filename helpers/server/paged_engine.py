@@ -11,7 +11,10 @@ from checking a request to choosing each row's token and handing it out, is ``En
 What changes for the requests:
 
 * the KV cache is a pool of blocks, sized so that ``max_batch_size`` requests of
-  ``max_total_tokens`` always fit: a request admitted into a free slot never waits for blocks;
+  ``max_total_tokens`` always fit, up to ``POOL_BYTES`` (the bundled model's pool for 64
+  requests is a few MB; GPT-2's would be 4.8 GB): below that cap, a request admitted into a
+  free slot never waits for blocks; above it, the pool is cut to the cap, and a request that
+  the pool cannot hold yet waits at the head of the queue;
 * prompts that share a prefix (a system prompt, a few-shot preamble) share its blocks, and
   only the rest is computed (``/metrics`` counts the prompt tokens looked up in the prefix
   cache and those found there, and shows the blocks in use);
@@ -30,11 +33,25 @@ import time
 
 import torch
 
-from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
+from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch, kv_shape,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
 from .compiled import DecodeStep
 from .engine import Engine, Request
+
+
+#: The most memory the default pool takes (vLLM's CPU build asks for its KV space in GiB too).
+POOL_BYTES = 2**30
+
+
+def default_pool_blocks(model, block_size: int, max_batch_size: int,
+                        max_total_tokens: int) -> int:
+    """Blocks for ``max_batch_size`` requests of ``max_total_tokens`` tokens, cut to what
+    ``POOL_BYTES`` holds, but never below one request's worth."""
+    layers, kv_heads, head_dim = kv_shape(model.config)
+    block_bytes = 2 * layers * kv_heads * head_dim * block_size * model.dtype.itemsize
+    per_request = math.ceil(max_total_tokens / block_size)
+    return max(per_request, min(max_batch_size * per_request, POOL_BYTES // block_bytes))
 
 
 class PagedEngine(Engine):
@@ -44,9 +61,11 @@ class PagedEngine(Engine):
     prefix_caching:     new requests reuse the cached blocks of their prompt's prefix
     max_prefill_tokens: prompt tokens read per step at most (chunked prefill); None: no cap
     num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
-                        ``max_total_tokens`` tokens)
-    compile:            run decode steps compiled (``compiled.py``, lesson 10); compiling
-                        happens here, before the engine answers anything
+                        ``max_total_tokens`` tokens, at most ``POOL_BYTES``)
+    compile:            run decode steps compiled (``compiled.py``, lesson 10): "on" (or
+                        True), "off" (or False), or "auto": on, but eager (with a warning in
+                        the log) where compiling fails. Compiling happens here, before the
+                        engine answers anything.
     Every other argument is ``Engine``'s.
     """
 
@@ -54,16 +73,26 @@ class PagedEngine(Engine):
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, prefix_caching: bool = True,
                  max_prefill_tokens: int | None = 64, num_blocks: int | None = None,
-                 compile: bool = False, **options):
+                 compile: bool | str = False, **options):
         super().__init__(model, tokenizer, **options)
         if num_blocks is None:
-            num_blocks = self.max_batch_size * math.ceil(self.max_total_tokens / block_size)
+            num_blocks = default_pool_blocks(model, block_size, self.max_batch_size,
+                                             self.max_total_tokens)
         check_prefill_budget(max_prefill_tokens)
         # One spare block, which no request owns: the decode step's padding reads it.
         self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
-        self.decode = DecodeStep(model, self.cache.pool, num_blocks, self.pad_id, compile)
-        if compile:
-            self.decode.warm_up()
+        compile = {True: "on", False: "off"}.get(compile, compile)
+        if compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
+        self.decode = DecodeStep(model, self.cache.pool, num_blocks, self.pad_id,
+                                 compile != "off")
+        if compile != "off":
+            try:
+                self.decode.warm_up()
+            except Exception as err:
+                if compile == "on":
+                    raise
+                self.decode.run_eager(f"compiling failed ({type(err).__name__}: {err})")
         self.stats["steps_compiled"] = 0
         self.max_prefill_tokens = max_prefill_tokens
         self._batch = PagedBatch.empty()    # rows that have read their prompts
