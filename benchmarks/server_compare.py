@@ -12,16 +12,23 @@ are counted from each stream's ``usage`` (their server may put several tokens in
 Their server loads the model from the same local folder (offline: ``HF_HUB_OFFLINE=1``), and
 builds its batching manager on the first request, which takes seconds: a warm-up request
 comes first.
+
+``ServerProcess`` is the part any such server of another project shares (start it in a process
+of its own, wait for /health, warm it up, stop it and what it started, keep its log); vLLM's
+OpenAI server is another one (``vllm_serve.py``, for ``bench_vllm.py`` and ``tests/vllm``).
+The streaming client (``openai_stream``, ``openai_at_once``) serves every server alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -52,43 +59,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class TransformersServe:
-    """``transformers serve --continuous-batching`` on one local model folder, on the CPU,
-    in its own process; ``with TransformersServe(path, threads, clients, context) as url:``
-    starts it (unless ``start()`` did), waits for /health and two warm-up completions, and
-    stops it at the end of the block."""
+class ServerProcess:
+    """An OpenAI-compatible server of another project, in a process of its own on this
+    machine (``transformers serve`` here, vLLM in ``vllm_serve.py``). A subclass says how to
+    start it (``command``, ``environment``) and what its ``/v1/completions`` needs besides the
+    prompt and length (``extra``). ``with server as url:`` starts it (unless ``start()`` did),
+    waits for /health and two warm-up completions, and stops it at the end of the block. Its
+    output goes to a temporary log file (``logs()`` gives the last lines)."""
 
-    def __init__(self, model_path: str, threads: int, clients: int, context: int,
-                 timeout: float = 300.0):
-        self.model_path, self.threads, self.timeout = model_path, threads, timeout
-        # On the CPU their cache would take 90% of the machine's free memory (14 GB here):
-        # give it room for ``clients`` requests of the model's whole context instead, in
-        # blocks of 256 tokens (their page size). A step reads at most MAX_BATCH_TOKENS
-        # tokens (their attention masks are sized by it: 2.7 GB at 16384).
-        self.num_blocks = math.ceil(clients * context / 256) + 1
-        self.max_batch_tokens = MAX_BATCH_TOKENS
+    #: How messages name the server.
+    name = "server"
+
+    def __init__(self, timeout: float = 300.0):
+        self.timeout = timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log",
-                                               delete=False)
+        prefix = self.name.replace(" ", "-") + "-"
+        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
 
-    def start(self) -> "TransformersServe":
+    def command(self) -> list[str]:
+        """The command line that starts the server on ``self.port``."""
+        raise NotImplementedError
+
+    def environment(self) -> dict:
+        """The server's environment variables (all of them)."""
+        return dict(os.environ)
+
+    def extra(self) -> dict:
+        """What the server's /v1/completions needs besides the prompt and length."""
+        return {}
+
+    def start(self) -> "ServerProcess":
         """Start the process without waiting for it (it takes seconds to import and load:
-        start it early, and enter the ``with`` block when it is needed)."""
-        if self.process is not None:
-            return self
-        command = transformers_command()
-        if command is None:
-            raise RuntimeError("this environment has no `transformers` command")
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-        self.process = subprocess.Popen(
-            command + ["serve", "--continuous-batching", "--device", "cpu", "--host",
-                       "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                       "--cb-num-blocks", str(self.num_blocks),
-                       "--cb-max-batch-tokens", str(self.max_batch_tokens), self.model_path],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        start it early, and enter the ``with`` block when it is needed). The process leads a
+        session of its own, so that stopping it stops the processes it started too."""
+        if self.process is None:
+            self.process = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=self.log,
+                stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True)
         return self
 
     def __enter__(self) -> str:
@@ -112,30 +121,73 @@ class TransformersServe:
                         return
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"transformers serve did not start; its last lines:\n{self.logs()}")
+        raise RuntimeError(f"{self.name} did not start; its last lines:\n{self.logs()}")
 
     async def _warm_up(self) -> None:
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             for _ in range(2):
-                await openai_stream(client, self.url, "Jack and Jill", 8,
-                                    theirs_extra(self.model_path))
+                await openai_stream(client, self.url, "Jack and Jill", 8, self.extra())
 
     def logs(self, lines: int = 30) -> str:
         text = pathlib.Path(self.log.name).read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
     def __exit__(self, *exc) -> None:
-        """Stop the process (safe to call twice, or without a ``with`` block)."""
+        """Stop the process and every process it started (safe to call twice, or without a
+        ``with`` block), and delete the log."""
+        if self.log.closed:                       # stopped already
+            return
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait(5)
-        if not self.log.closed:
-            self.log.close()
-            pathlib.Path(self.log.name).unlink(missing_ok=True)
+        if self.process is not None:
+            self._signal(signal.SIGKILL)      # children that outlived their parent
+        self.log.close()
+        pathlib.Path(self.log.name).unlink(missing_ok=True)
+
+    def _signal(self, number: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, number)
+
+
+class TransformersServe(ServerProcess):
+    """``transformers serve --continuous-batching`` on one local model folder, on the CPU,
+    with ``threads`` torch threads; ``with TransformersServe(path, threads, clients, context)
+    as url:`` starts it."""
+
+    name = "transformers serve"
+
+    def __init__(self, model_path: str, threads: int, clients: int, context: int,
+                 timeout: float = 300.0):
+        super().__init__(timeout)
+        self.model_path, self.threads = model_path, threads
+        # On the CPU their cache would take 90% of the machine's free memory (14 GB here):
+        # give it room for ``clients`` requests of the model's whole context instead, in
+        # blocks of 256 tokens (their page size). A step reads at most MAX_BATCH_TOKENS
+        # tokens (their attention masks are sized by it: 2.7 GB at 16384).
+        self.num_blocks = math.ceil(clients * context / 256) + 1
+        self.max_batch_tokens = MAX_BATCH_TOKENS
+
+    def command(self) -> list[str]:
+        command = transformers_command()
+        if command is None:
+            raise RuntimeError("this environment has no `transformers` command")
+        return command + [
+            "serve", "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1",
+            "--port", str(self.port), "--log-level", "warning",
+            "--cb-num-blocks", str(self.num_blocks),
+            "--cb-max-batch-tokens", str(self.max_batch_tokens), self.model_path]
+
+    def environment(self) -> dict:
+        return {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+
+    def extra(self) -> dict:
+        return theirs_extra(self.model_path)
 
 
 def theirs_extra(model_path: str) -> dict:

@@ -122,7 +122,8 @@ def check_server() -> tuple[str, int]:
     from helpers import serve_in_background
 
     start = time.perf_counter()
-    server = serve_in_background(threads=1, name="check-setup", timeout=90)
+    # Its defaults, compiling included (lesson 10): tens of seconds on a slow laptop.
+    server = serve_in_background(threads=1, name="check-setup", timeout=180)
     try:
         port = int(server.url.rsplit(":", 1)[1])
         reply = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False,
@@ -130,11 +131,16 @@ def check_server() -> tuple[str, int]:
         if reply.status_code != 200:
             raise Failed(f"the course server answered {reply.status_code}: {reply.text[:200]}")
         text = reply.json()["choices"][0]["text"]
+        compiled = httpx.get(server.url + "/info", timeout=10, trust_env=False).json().get(
+            "compiled")
     finally:
         server.stop()
     seconds = time.perf_counter() - start
+    step = ("its decode step compiled" if compiled else
+            "its decode step eager: torch.compile failed here (a C++ compiler missing?), "
+            "lesson 10's compiled runs will fail too")
     return (f"the course server starts, answers ('Jack and Jill' →{text!r}) and stops "
-            f"({seconds:.0f} s)"), port
+            f"({seconds:.0f} s; {step})"), port
 
 
 def check_port(port: int) -> str:

