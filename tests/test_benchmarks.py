@@ -163,3 +163,51 @@ def test_summary_rows_of_the_server_benchmark():
     run_all.server_rows({**result, "transformers_serve": {"error": "RuntimeError: no command"}},
                         lambda *row: rows.append(row))
     assert rows[2][1] == "not run: RuntimeError: no command" and rows[2][3] is False
+
+
+def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
+    """profile_servers.py's classification: a stack goes to what its innermost telling frame
+    did, the model call wins over the course's code around it, and the HTTP process is the
+    API server's but for its pipe."""
+    from benchmarks import profile_servers as ps
+
+    loop = ["_run (helpers/server/engine.py)", "_loop (helpers/server/engine.py)",
+            "step (helpers/server/paged_engine.py)", "_generate (helpers/server/paged_engine.py)"]
+    decode = loop + ["step (helpers/server/compiled.py)"]
+    compiled = decode + ["_call (helpers/server/compiled.py)",
+                         "compile_wrapper (torch/_dynamo/eval_frame.py)",
+                         "call (c2ahwwxpymqghmywi66s7isxx35stcz5wuedtp7p2qn4v34q2spw.py)"]
+    prefill = loop + ["paged_next_token (helpers/paged/batching.py)",
+                      "_forward (helpers/paged/batching.py)",
+                      "_wrapped_call_impl (torch/nn/modules/module.py)",
+                      "paged_attention (helpers/paged/attention.py)"]
+    detok = decode[:-1] + ["_hand_out (helpers/server/engine.py)",
+                           "accept (helpers/server/engine.py)", "add (helpers/server/detok.py)",
+                           "decode (transformers/tokenization_utils_base.py)"]
+    pipe = detok[:-2] + ["deliver (helpers/server/engine_process.py)",
+                         "send (multiprocessing/connection.py)"]
+    engine = {ps.OUR_DECODE: compiled, ps.OUR_PREFILL: prefill, ps.OUR_DETOK: detok,
+              ps.IPC: pipe,
+              ps.OUR_INPUTS: decode + ["<listcomp> (helpers/server/compiled.py)",
+                                       "sequence (helpers/paged/batching.py)"],
+              ps.OUR_SCHEDULER: decode + ["grow (helpers/paged/blocks.py)"],
+              ps.OUR_SAMPLER: decode + ["choose (helpers/server/paged_engine.py)",
+                                        "_choose (helpers/server/engine.py)"],
+              ps.BLOCKED: loop[:2] + ["wait (threading.py)"]}
+    for expected, frames in engine.items():
+        assert ps.our_category(frames, "engine") == expected, frames
+    http = ["run (asyncio/runners.py)", "_run_once (asyncio/base_events.py)",
+            "_run (asyncio/events.py)"]
+    assert ps.our_category(http, "http") == ps.OUR_EVENT_LOOP
+    sse = http + ["stream_response (starlette/responses.py)",
+                  "completion_stream (helpers/server/routes_openai.py)",
+                  "sse (helpers/server/serving.py)", "dumps (json/__init__.py)"]
+    assert ps.our_category(sse, "http") == ps.OUR_ROUTES
+    reader = ["_read (helpers/server/engine_process.py)", "recv (multiprocessing/connection.py)"]
+    assert ps.our_category(reader, "http") == ps.IPC
+    assert ps.group("ours", "http", ps.OUR_ROUTES) == "API server"
+    assert ps.group("ours", "http", ps.IPC) == ps.group("vllm", "engine_core", ps.HANDING) == "IPC"
+    assert ps.group("ours", "engine", ps.OUR_DETOK) == ps.group("vllm", "api_server",
+                                                                 "detokenizing") == "outputs"
+    assert ps.vllm_category(["execute_model (vllm/v1/worker/gpu_model_runner.py)",
+                             "forward (vllm/model_executor/models/gpt2.py)"]) == "model forward"

@@ -19,3 +19,4 @@ from .lesson06 import *  # noqa: F401,F403
 from .lesson07 import *  # noqa: F401,F403
 from .lesson08 import *  # noqa: F401,F403
 from .lesson09 import *  # noqa: F401,F403
+from .lesson10 import *  # noqa: F401,F403

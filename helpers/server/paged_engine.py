@@ -59,7 +59,9 @@ class PagedEngine(Engine):
 
     block_size:         token positions per block of the pool
     prefix_caching:     new requests reuse the cached blocks of their prompt's prefix
-    max_prefill_tokens: prompt tokens read per step at most (chunked prefill); None: no cap
+    max_prefill_tokens: prompt tokens read per step at most (chunked prefill; None: no cap).
+                        512, as vLLM reads many prompts in one step: a burst of new
+                        requests is read in one pass, not in many small eager ones
     num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
                         ``max_total_tokens`` tokens, at most ``POOL_BYTES``)
     compile:            run decode steps compiled (``compiled.py``, lesson 10): "on" (or
@@ -72,7 +74,7 @@ class PagedEngine(Engine):
     kv_cache = "paged"
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, prefix_caching: bool = True,
-                 max_prefill_tokens: int | None = 64, num_blocks: int | None = None,
+                 max_prefill_tokens: int | None = 512, num_blocks: int | None = None,
                  compile: bool | str = False, **options):
         super().__init__(model, tokenizer, **options)
         if num_blocks is None:

@@ -1,8 +1,8 @@
 """Benchmark: the course server beside real vLLM, defaults against defaults.
 
-    python -m benchmarks.bench_vllm             # 5 turns, then vLLM --enable-lora once (~8 min)
-    python -m benchmarks.bench_vllm --quick     # 2 turns, no LoRA check (~4 min)
-    python -m benchmarks.bench_vllm --profile   # then also profile_vllm.py on the same vLLM
+    python -m benchmarks.vllm_compare             # 5 turns, then vLLM --enable-lora once (~8 min)
+    python -m benchmarks.vllm_compare --quick     # 2 turns, no LoRA check (~4 min)
+    python -m benchmarks.vllm_compare --profile   # then profile_servers.py on the same servers
 
 ``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
 passes its Python in ``VLLM_PYTHON`` (``vllm_serve.py`` says why it is an environment of its
@@ -154,6 +154,7 @@ def describe(args, versions: dict, info: dict) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)    # before any file goes there
     started = time.perf_counter()
     load_before = load_average()
     print("starting vLLM (60-100 s) and the course server ...", flush=True)
@@ -173,11 +174,13 @@ def main(argv=None) -> int:
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
         if args.profile:
-            from benchmarks import profile_vllm
+            from benchmarks import profile_servers as profiler
 
-            profiled = profile_vllm.profile(vllm, args.levels, args.new_tokens,
-                                            5.0 if args.quick else 10.0)
-            write_results(args.out, "profile_vllm", profiled, profile_vllm.markdown(profiled))
+            targets = {"ours": profiler.our_target(our_url, ours.pid),
+                       "vllm": profiler.vllm_target(vllm)}
+            profiled = profiler.profile(targets, args.levels, args.new_tokens,
+                                        5.0 if args.quick else 10.0)
+            write_results(args.out, profiler.NAME, profiled, profiler.markdown(profiled))
     result["levels"] = [level_row(n, runs[n]) for n in args.levels]
     if args.check_lora:
         print("starting vLLM with --enable-lora, to record what it says ...", flush=True)
@@ -205,8 +208,8 @@ def parse_args(argv=None):
                         help="start vLLM once more with --enable-lora and record what it says "
                              "(default: on, off with --quick)")
     parser.add_argument("--profile", action="store_true",
-                        help="then sample vLLM's processes with py-spy at each level "
-                             "(profile_vllm.py; writes profile_vllm.md)")
+                        help="then sample both servers' processes with py-spy at each level "
+                             "(profile_servers.py; writes profile_servers.md)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
@@ -248,7 +251,7 @@ def markdown(result: dict) -> str:
         f"{result['machine']}, {result['date']}; load average {numbers(result['load_average'])}"
         f" before, {numbers(result['load_average_after'])} after the timed turns. "
         f"{'A quick run (`--quick`). ' if result['quick'] else ''}"
-        f"Made by `make bench-vllm` (`python -m benchmarks.bench_vllm`); its docstring says "
+        f"Made by `make bench-vllm` (`python -m benchmarks.vllm_compare`); its docstring says "
         f"how.", "",
         f"- ours: `helpers.server` with its defaults ({settings}), 1 torch thread; torch "
         f"{ours['torch']}, transformers {ours['transformers']}.",

@@ -1,0 +1,274 @@
+"""Lesson 10's checks: capture sizes and padding, a backend that counts its compilations, and
+the break-even point of a compile.
+
+``capture_size`` and ``pad_batch`` are compared with ``helpers.compilation``'s on hand-made
+batches and size lists (unsorted lists and batches too large for any size included).
+``CountingBackend`` is first called by hand with a small traced graph, then used as the
+backend of ``torch.compile`` on a small function made afresh for each check (a new code
+object, so nothing TorchDynamo cached earlier interferes): one graph for the first call, none
+for a call with the same shapes, one more for a new shape, and a list of its own for each
+backend. ``break_even_tokens`` is compared with the formula on five cases, two where the
+compiled step saves nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compilation import CountingBackend, break_even_tokens, capture_size, pad_batch
+from .core import Hint, expect_equal, run_check
+
+__all__ = ["check_break_even", "check_capture_size", "check_counting_backend",
+           "check_pad_batch"]
+
+
+# ---- capture_size -----------------------------------------------------------------------------
+
+def _capture_cases(learner, cases):
+    powers = (1, 2, 4, 8, 16, 32, 64)
+    scenarios = [
+        ("a batch of 1", 1, powers),
+        ("a batch between two sizes", 3, powers),
+        ("a batch that is a capture size", 8, powers),
+        ("the largest size", 64, powers),
+        ("a batch between 32 and 64", 33, powers),
+        ("a list that is not powers of two", 17, (1, 2, 4, 8, 16, 24, 32)),
+        ("sizes in no particular order", 3, (8, 1, 4, 2)),
+        ("a batch larger than every size", 65, powers),
+    ]
+    for label, batch, sizes in scenarios:
+        with cases(f"{label}: capture_size({batch}, {sizes})"):
+            expected = capture_size(batch, sizes)
+            try:
+                got = learner(batch, list(sizes) if label.startswith("sizes") else sizes)
+            except Exception as error:
+                if expected is not None:
+                    raise
+                raise Hint(f"capture_size({batch}, {sizes}) raised {type(error).__name__}: no "
+                           f"size holds {batch} rows, so the batch runs without a compiled "
+                           f"graph: return None") from None
+            if got == expected and (got is None) == (expected is None):
+                continue
+            where = f"capture_size({batch}, {sizes}) gave {got!r}, expected {expected!r}"
+            if expected is None:
+                raise Hint(f"{where}: no size holds {batch} rows, so the batch runs without a "
+                           f"compiled graph: return None")
+            if isinstance(got, (int, float)) and not isinstance(got, bool) and got < batch:
+                raise Hint(f"{where}: {got} rows cannot hold the batch; take the smallest size "
+                           f"that is at least the batch (size >= batch)")
+            if batch in sizes and got != batch:
+                raise Hint(f"{where}: a batch that is already a capture size needs no padding: "
+                           f"compare with >=, not >")
+            if label.startswith("sizes"):
+                raise Hint(f"{where}: the sizes may come in any order; take the smallest of those "
+                           f"that fit (min), not the first one")
+            if got == 1 << (batch - 1).bit_length():
+                raise Hint(f"{where}: use the sizes given, not the next power of two")
+            expect_equal(f"capture_size({batch}, {sizes})", got, expected)
+
+
+def check_capture_size(learner_capture_size):
+    """Lesson 10: check the learner's ``capture_size(batch, sizes)`` (the smallest size that
+    holds the batch, None when none does) against ``helpers.compilation.capture_size`` on eight
+    cases; print one line and return the function the rest of the lesson should use."""
+    return run_check("capture_size", learner_capture_size, _capture_cases, fallback=capture_size)
+
+
+# ---- pad_batch --------------------------------------------------------------------------------
+
+def _pad_cases(learner, cases):
+    rows = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    scenarios = [("3 rows padded to 4", rows, 4, 0),
+                 ("3 rows padded to 8, pad id 99", rows, 8, 99),
+                 ("1 row padded to 2", rows[:1], 2, 0),
+                 ("a batch that already has the size", rows, 3, 0)]
+    for label, ids, size, pad in scenarios:
+        with cases(f"{label}: pad_batch(a {tuple(ids.shape)} tensor, {size}, {pad})"):
+            expected = pad_batch(ids, size, pad)
+            before = ids.clone()
+            got = learner(ids.clone(), size, pad)
+            batch = ids.shape[0]
+            if not isinstance(got, torch.Tensor):
+                raise Hint(f"pad_batch should return a tensor, got {type(got).__name__}")
+            if tuple(got.shape) == (batch, size) and size != batch:
+                raise Hint(f"got shape {tuple(got.shape)}, expected {tuple(expected.shape)}: pad "
+                           f"rows (dimension 0, the batch), not positions")
+            if tuple(got.shape) == (size - batch, ids.shape[1]) and size != batch:
+                raise Hint(f"got shape {tuple(got.shape)}, expected {tuple(expected.shape)}: "
+                           f"return the whole batch, the real rows followed by the padding")
+            if tuple(got.shape) != tuple(expected.shape):
+                raise Hint(f"got shape {tuple(got.shape)}, expected {tuple(expected.shape)}: "
+                           f"(size, sequence)")
+            if got.dtype != ids.dtype:
+                raise Hint(f"the result is {got.dtype}, the input {ids.dtype}: token ids stay "
+                           f"integers (input_ids.new_full(...) keeps the dtype and device)")
+            if got.device != ids.device:
+                raise Hint(f"the result is on {got.device}, the input on {ids.device}: keep the "
+                           f"input's device")
+            if torch.equal(got, expected):
+                continue
+            if size > batch and torch.equal(got[size - batch:], ids):
+                raise Hint("the real rows are at the bottom: put them first and the padding "
+                           "below, so that row i of the output is row i of the input and the "
+                           "step's output for them is out[:batch]")
+            if torch.equal(got[:batch], ids) and not (got[batch:] == pad).all():
+                raise Hint(f"the new rows should hold pad_token_id ({pad}), got "
+                           f"{got[batch:].flatten().tolist()[:6]}")
+            if not torch.equal(got[:batch], before):
+                raise Hint("the real rows changed: copy them as they are")
+            expect_equal("the padded batch", got.tolist(), expected.tolist())
+
+
+def check_pad_batch(learner_pad_batch):
+    """Lesson 10: check the learner's ``pad_batch(input_ids, size, pad_token_id)`` against
+    ``helpers.compilation.pad_batch`` on four batches; print one line and return the function
+    the rest of the lesson should use."""
+    return run_check("pad_batch", learner_pad_batch, _pad_cases, fallback=pad_batch)
+
+
+# ---- CountingBackend --------------------------------------------------------------------------
+
+def _fresh_function():
+    """A small function with a code object of its own, so that TorchDynamo has nothing cached
+    for it whatever ran before."""
+    namespace = {"torch": torch}
+    exec("def scaled_sine(x):\n    return torch.sin(x) * 2 + 1\n", namespace)  # noqa: S102
+    return namespace["scaled_sine"]
+
+
+def _call(compiled, x):
+    """Call a compiled function; a failure inside the backend surfaces as the learner's own
+    exception (TorchDynamo wraps it in BackendCompilerFailed)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        return compiled(x)
+    except BackendCompilerFailed as error:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if isinstance(inner, NotImplementedError):
+            raise NotImplementedError() from None
+        if inner is not None and "did not return callable" not in str(error):
+            raise inner from None
+        raise Hint("the backend must return a callable that runs the graph: return gm.forward "
+                   "(or gm itself)") from None
+
+
+def _counting_cases(learner_class, cases):
+    fn = _fresh_function()
+    x = torch.arange(6.0).view(2, 3)
+    with cases("a backend called by hand with a traced graph"):
+        backend = learner_class()
+        if not isinstance(getattr(backend, "graphs", None), list):
+            raise Hint("a new backend should have an empty list in self.graphs (made in __init__)")
+        gm = torch.fx.symbolic_trace(fn)
+        runner = backend(gm, [x])
+        if not callable(runner):
+            raise Hint(f"the backend returned {type(runner).__name__}; it must return a callable "
+                       f"that runs the graph: gm.forward")
+        if not torch.allclose(runner(x), fn(x)):
+            raise Hint("what the backend returned computes other values: return gm.forward, "
+                       "which runs the graph as it was traced")
+        if len(backend.graphs) != 1:
+            raise Hint(f"after one call, backend.graphs holds {len(backend.graphs)} items, "
+                       f"expected 1: append gm in __call__")
+        if backend.graphs[0] is not gm:
+            raise Hint(f"backend.graphs holds a {type(backend.graphs[0]).__name__}; keep the "
+                       f"graph itself, gm (example_inputs are only sample tensors)")
+    with cases("a second backend starts empty"):
+        backend = learner_class()
+        if backend.graphs:
+            raise Hint("a new backend already holds graphs: every backend needs a list of its "
+                       "own, made in __init__ (self.graphs = []), not one shared by the class")
+    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    with cases("torch.compile with the backend, a first call"):
+        out = _call(compiled, x)
+        if not torch.allclose(out, fn(x)):
+            raise Hint("the compiled function gives other values than the function itself: "
+                       "return gm.forward")
+        if len(backend.graphs) != 1:
+            raise Hint(f"one call compiled {len(backend.graphs)} graphs by your count, expected 1")
+    with cases("a second call with tensors of the same shape"):
+        _call(compiled, x + 1)
+        if len(backend.graphs) != 1:
+            raise Hint(f"backend.graphs holds {len(backend.graphs)} graphs after two calls of the "
+                       f"same shape, expected 1: the backend is called once per compilation; "
+                       f"count in __call__, not inside the function you return")
+    with cases("a call with a new shape (dynamic=False: a recompilation)"):
+        _call(compiled, torch.ones(4, 3))
+        if len(backend.graphs) != 2:
+            raise Hint(f"backend.graphs holds {len(backend.graphs)} graphs after a new shape, "
+                       f"expected 2")
+
+
+COUNTING_CAUSES = {
+    "did not return callable": "the backend must return a callable: gm.forward",
+    "takes 2 positional arguments but 3 were given": "a backend is called with two arguments, "
+                                                     "gm and example_inputs",
+}
+
+
+def check_counting_backend(learner_counting_backend):
+    """Lesson 10: check the learner's ``CountingBackend`` class (a ``torch.compile`` backend
+    that keeps each graph in ``self.graphs`` and runs it as it is) by hand and under
+    ``torch.compile``; print one line and return the class the rest of the lesson should
+    use."""
+    return run_check("CountingBackend", learner_counting_backend, _counting_cases,
+                     fallback=CountingBackend, kind="class", causes=COUNTING_CAUSES)
+
+
+# ---- break_even_tokens ------------------------------------------------------------------------
+
+def _break_even_cases(learner, cases):
+    scenarios = [
+        ("batch 1", 30.0, 0.0060, 0.0031, 1),
+        ("batch 64", 25.0, 0.0300, 0.0249, 64),
+        ("batch 8", 12.5, 0.0093, 0.0061, 8),
+        ("a compiled step no faster", 20.0, 0.004, 0.004, 1),
+        ("a compiled step slower", 20.0, 0.004, 0.005, 4),
+    ]
+    for label, compile_s, eager, compiled, batch in scenarios:
+        call = f"break_even_tokens({compile_s}, {eager}, {compiled}, batch={batch})"
+        with cases(f"{label}: {call}"):
+            expected = break_even_tokens(compile_s, eager, compiled, batch)
+            try:
+                got = learner(compile_s, eager, compiled, batch)
+            except ZeroDivisionError:
+                raise Hint(f"{call} divides by zero: when the compiled step saves nothing, "
+                           f"compiling never pays; return math.inf") from None
+            try:
+                value = float(got)
+            except (TypeError, ValueError):
+                if expected == math.inf:
+                    raise Hint(f"{call} gave {got!r}: return math.inf when the compiled step "
+                               f"saves nothing (or is slower)") from None
+                raise Hint(f"{call} should be a number, got {type(got).__name__}") from None
+            if expected == math.inf:
+                if value != math.inf:
+                    raise Hint(f"{call} gave {got!r}, expected math.inf: a compiled step that is "
+                               f"not faster never pays back its compile time")
+                continue
+            saving = eager - compiled
+            steps = compile_s / saving
+            if value == math.inf or value < 0:
+                raise Hint(f"{call} gave {got!r}: the saving per step is eager_step − "
+                           f"compiled_step ({saving:.4g} s here), positive when compiling helps")
+            if abs(value - math.ceil(steps)) < 1e-6 and batch > 1:
+                raise Hint(f"{call} gave {got!r}, expected {expected}: that is the number of "
+                           f"steps; each step writes batch tokens, so multiply by the batch")
+            if abs(value - steps * batch) < 1e-6 and not value.is_integer():
+                raise Hint(f"{call} gave {got!r}, expected {expected}: the steps are whole "
+                           f"steps, so round them up (math.ceil) before multiplying by the "
+                           f"batch")
+            if abs(value - expected) > batch or not value.is_integer():
+                raise Hint(f"{call} gave {got!r}, expected {expected}: compile_seconds divided "
+                           f"by the saving per step, rounded up to whole steps, times the batch")
+
+
+def check_break_even(learner_break_even_tokens):
+    """Lesson 10: check the learner's ``break_even_tokens(compile_seconds, eager_step,
+    compiled_step, batch)`` against ``helpers.compilation.break_even_tokens`` on five cases;
+    print one line and return the function the rest of the lesson should use."""
+    return run_check("break_even_tokens", learner_break_even_tokens, _break_even_cases,
+                     fallback=break_even_tokens)
