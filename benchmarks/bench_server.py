@@ -70,7 +70,8 @@ import time
 
 import httpx
 
-from benchmarks.results_io import load_average, markdown_table, numbers, verdicts, write_results
+from benchmarks.results_io import (clients_axis, load_average, markdown_table, numbers, verdicts,
+                                   write_results)
 from benchmarks.timing import Candidate, spread, time_in_turns
 from benchmarks.server_compare import (OURS_EXTRA, TransformersServe, openai_at_once,
                                        theirs_extra)
@@ -379,11 +380,7 @@ def plot(result, path):
     right.set_ylim(bottom=0)
     right.legend()
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(clients, [str(c) for c in clients])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrent streaming clients")
-        ax.grid(alpha=0.3)
+        clients_axis(ax, clients)
     sweep_info = result["sweep"]
     figure.suptitle(
         f"Course server, {sweep_info['new_tokens']} new tokens per request: {result['model']} "

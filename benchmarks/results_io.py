@@ -76,3 +76,12 @@ def save_figure(fig, path, dpi: int = 110) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def clients_axis(ax, clients) -> None:
+    """An x axis of concurrent clients (1, 4, 16, 64, ...): log 2, one tick a level, a grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent streaming clients")
+    ax.grid(alpha=0.3)

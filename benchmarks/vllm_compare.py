@@ -54,8 +54,8 @@ import time
 import httpx
 
 from benchmarks.bench_server import PROMPTS, levels_argument, metrics, percentile
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
-                                   save_figure, write_results)
+from benchmarks.results_io import (clients_axis, load_average, machine, markdown_table, numbers,
+                                   pyplot, save_figure, write_results)
 from benchmarks.server_compare import OURS_EXTRA, openai_at_once
 from benchmarks.timing import spread
 from benchmarks.vllm_serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
@@ -314,11 +314,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     right.set_yscale("log")
     left.set_ylim(bottom=0)
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(clients, [str(c) for c in clients])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrent streaming clients")
-        ax.grid(alpha=0.3)
+        clients_axis(ax, clients)
         ax.legend()
     save_figure(fig, path)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ..apart import ignore_unless_asked
+
 HERE = Path(__file__).resolve().parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -27,19 +29,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 REPORT = pytest.StashKey[list]()
 
 
-def _asked_for(config) -> bool:
-    base = Path(config.invocation_params.dir)
-    for arg in config.args:
-        path = (base / arg.split("::", 1)[0]).resolve()
-        if path == HERE or HERE in path.parents:
-            return True
-    return False
-
-
-def pytest_ignore_collect(collection_path, config):
-    if collection_path.resolve() != HERE and not _asked_for(config):
-        return True
-    return None
+pytest_ignore_collect = ignore_unless_asked(HERE)   # tests/apart.py
 
 
 def pytest_configure(config):
