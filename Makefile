@@ -1,6 +1,6 @@
 # Efficiently Serving LLMs -- every target sets up what it needs from nothing.
 #   make lab      JupyterLab in lessons/ (creates .venv on first use, with only what lessons need)
-#   make check    is this laptop ready? imports, model, widgets, kernel, server, port (~30 s)
+#   make check    is this laptop ready? imports, model, widgets, kernel, server, port (~1 min)
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
 #   make execute  re-run every lesson in place to refresh its committed outputs
@@ -75,7 +75,7 @@ lab: $(STAMP_LAB)
 slides: $(STAMP_LAB)
 	$(PY) scripts/slides.py
 
-# The morning check of a workshop laptop: one line per item and a verdict, in about 30 s.
+# The morning check of a workshop laptop: one line per item and a verdict, in about a minute.
 check: $(STAMP_LAB)
 	$(PY) scripts/check_setup.py
 
