@@ -155,8 +155,9 @@ class DecodeStep:
 
     def step(self, batch: PagedBatch, cache, choose) -> None:
         """``paged_next_token`` for a batch in which every row feeds its one pending token:
-        grow each row's blocks, run the compiled model, book the tokens, and let ``choose``
-        (as in ``paged_next_token``) pick each row's next token."""
+        grow each row's blocks, run the model (compiled, or eager), book the tokens, and let
+        ``choose``
+(as in ``paged_next_token``) pick each row's next token."""
         device = self.model.device
         rows = range(len(batch))
         starts = batch.computed
@@ -180,8 +181,8 @@ class DecodeStep:
             take_token(batch, row, token, False, None)
 
     def _call(self, ids, positions, write, read, mask):
-        """The compiled model on one step's tensors (each contiguous: strides are guarded
-        too), with the dimensions that vary marked dynamic."""
+        """The model on one step's tensors (each contiguous: a compiled graph guards strides
+        too), with the dimensions that vary marked dynamic for the compiler."""
         if ids.shape[0] > 1:                       # one graph for every batch of 2 rows or more
             for tensor in (ids, positions, write, read, mask):
                 torch._dynamo.mark_dynamic(tensor, 0)
