@@ -80,9 +80,12 @@ class KVPool:
 
     def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values read at the pool ``indices`` (rows, length): two tensors
-        of shape (rows, kv_heads, length, head_dim), the layout attention expects."""
-        return (self.keys[layer][indices].transpose(1, 2),
-                self.values[layer][indices].transpose(1, 2))
+        of shape (rows, kv_heads, length, head_dim), the layout attention expects.
+        (``index_select`` on the flattened indices copies the entries faster than indexing
+        with the 2-D ``indices`` does, for the same result.)"""
+        flat = indices.reshape(-1)
+        return tuple(pool.index_select(0, flat).view(*indices.shape, *pool.shape[1:])
+                     .transpose(1, 2) for pool in (self.keys[layer], self.values[layer]))
 
 
 def pool_indices(block_table: list[int], positions: torch.Tensor,

@@ -75,13 +75,9 @@ def fixed_paged_attention(module, query, key, value, attention_mask, scaling=Non
     keys.index_copy_(0, at, key.transpose(1, 2).reshape(-1, *keys.shape[1:]).to(keys.dtype))
     values.index_copy_(0, at, value.transpose(1, 2).reshape(-1, *values.shape[1:])
                        .to(values.dtype))
-    # Each row's history, (rows, kv_heads, length, head_dim); index_select on the flattened
-    # indices copies the entries faster than indexing with the (rows, length) tensor does.
-    read = paged.read_indices
-    row_keys = keys.index_select(0, read.view(-1)).view(*read.shape, *keys.shape[1:])
-    row_values = values.index_select(0, read.view(-1)).view(*read.shape, *values.shape[1:])
-    row_keys = row_keys.transpose(1, 2).to(query.dtype)
-    row_values = row_values.transpose(1, 2).to(query.dtype)
+    # Each row's history, (rows, kv_heads, length, head_dim): lesson 08's gather.
+    row_keys, row_values = paged.pool.gather(module.layer_idx, paged.read_indices)
+    row_keys, row_values = row_keys.to(query.dtype), row_values.to(query.dtype)
     output = F.scaled_dot_product_attention(query, row_keys, row_values, attn_mask=paged.mask,
                                             scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
