@@ -128,3 +128,34 @@ def crop_cache(cache, length: int) -> None:
         raise RuntimeError(f"the cache holds {cache.get_seq_length()} positions, fewer than "
                            f"the {length} to crop it to")
     cache.crop(-extra)
+
+
+def busy_share(window: float) -> float | None:
+    """How busy the machine's CPUs were over the next ``window`` seconds, from 0 (idle) to 1
+    (every core busy), read from ``/proc/stat``; None where there is no such file."""
+    def totals():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total, idle = totals()
+        time.sleep(window)
+        total2, idle2 = totals()
+    except OSError:
+        return None
+    return 1 - (idle2 - idle) / max(1, total2 - total)
+
+
+def wait_until_idle(below: float = 0.15, window: float = 0.25, at_most: float = 5.0) -> float:
+    """Wait until the CPUs are nearly idle (busy share under ``below`` in a ``window``), at
+    most ``at_most`` seconds; returns the seconds waited. For benchmarks that let servers take
+    turns: a server may keep a core busy after its last answer (vLLM's processes poll for
+    about a second before they sleep), and the next server's run must not pay for it."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < at_most:
+        share = busy_share(window)
+        if share is None or share < below:
+            break
+    return time.perf_counter() - start

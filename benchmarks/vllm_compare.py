@@ -27,7 +27,11 @@ end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``)
 (``server_compare.openai_stream``). Per level and server: tokens/s = all tokens / wall time
 from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
 requests (from sending a request to its first event with text); the engine steps the server
-ran (its /metrics). The levels take turns, and within a level the servers do, ours first in
+ran (its /metrics). Before each run, the benchmark waits until the machine's CPUs are idle
+(``timing.wait_until_idle``, at most 5 s): after its last answer vLLM keeps a core busy for
+about a second (its processes poll their shared-memory queue before they sleep; measured on
+this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
+The levels take turns, and within a level the servers do, ours first in
 even turns and vLLM first in odd ones; 5 turns (2 with ``--quick``). Each figure is the median
 over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
 request's text on one server equals the text of the same prompt on the other, in every turn.
@@ -57,7 +61,7 @@ from benchmarks.bench_server import PROMPTS, levels_argument, metrics, percentil
 from benchmarks.results_io import (clients_axis, load_average, machine, markdown_table, numbers,
                                    pyplot, save_figure, write_results)
 from benchmarks.server_compare import OURS_EXTRA, openai_at_once
-from benchmarks.timing import spread
+from benchmarks.timing import spread, wait_until_idle
 from benchmarks.vllm_serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,8 +111,11 @@ def in_turns(servers: dict[str, Server], levels, new_tokens: int, turns: int) ->
         for n in levels:
             for name in order:
                 label = "warm-up" if turn < 0 else f"turn {turn + 1}/{turns}"
-                print(f"{label}: {WORDS[name]}, {n} client(s) ...", flush=True)
+                waited = wait_until_idle()          # vLLM polls for ~1 s after a run
+                print(f"{label}: {WORDS[name]}, {n} client(s) (after {waited:.1f} s idle "
+                      "wait) ...", flush=True)
                 figures = servers[name].run(n, new_tokens)
+                figures["idle_wait"] = waited
                 if turn >= 0:
                     runs[n][name].append(figures)
     return runs
@@ -121,6 +128,7 @@ def level_row(clients: int, run: dict) -> dict:
         row[name] = {key: spread(r[key] for r in run[name])
                      for key in ("tokens_per_second", "ttft_p50", "ttft_p95", "steps",
                                  "seconds")}
+        row[name]["idle_wait"] = statistics.median(r.get("idle_wait", 0.0) for r in run[name])
         row[name]["short_streams"] = sum(r["short"] for r in run[name])
     ratios = [a["tokens_per_second"] / b["tokens_per_second"]
               for a, b in zip(run["ours"], run["vllm"])]
@@ -240,6 +248,8 @@ def markdown(result: dict) -> str:
             for row in result["levels"]]
     steps = "; ".join(f"{row['clients']} client(s): ours {row['ours']['steps']['median']:.0f}, "
                       f"vLLM {row['vllm']['steps']['median']:.0f}" for row in result["levels"])
+    waits = {name: statistics.median(row[name].get("idle_wait", 0.0) for row in result["levels"])
+             for name in SERVERS}
     lora = result["lora"]
     said = (f"started with `--enable-lora` in this run, it stopped with `{lora['message']}`"
             if lora["checked"] and not lora["started"] else
@@ -262,7 +272,11 @@ def markdown(result: dict) -> str:
         f"each server, the course prompts, {result['new_tokens']} new tokens each with EOS "
         f"ignored, greedy. Tokens/s: all tokens / the level's wall time; TTFT: from sending a "
         f"request to its first token. Median over {result['turns']} turns (min-max); ours / "
-        f"vLLM is the median of the turns' ratios. Plot: [vllm.png](vllm.png).", "",
+        f"vLLM is the median of the turns' ratios. Before each run the benchmark waits until "
+        f"the CPUs are idle (at most 5 s; median wait before ours {waits['ours']:.1f} s, "
+        f"before vLLM's {waits['vllm']:.1f} s): vLLM's processes keep a core busy for about "
+        f"a second after their last answer, which a run started at once would pay for. "
+        f"Plot: [vllm.png](vllm.png).", "",
         *markdown_table(["clients", "ours tokens/s", "vLLM tokens/s", "ours / vLLM",
                          "ours TTFT p50 / p95 (ms)", "vLLM TTFT p50 / p95 (ms)", "same texts"],
                         rows, "rrrrrrl"), "",

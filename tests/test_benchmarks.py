@@ -1,5 +1,6 @@
 """The benchmark suite's shared pieces and its summary of the committed results."""
 
+import os
 import pathlib
 import shutil
 import time
@@ -8,7 +9,8 @@ import pytest
 
 from benchmarks import run_all
 from benchmarks.results_io import markdown_table
-from benchmarks.timing import Candidate, calls_per_sample, spread, time_in_turns
+from benchmarks.timing import (Candidate, busy_share, calls_per_sample, spread, time_in_turns,
+                               wait_until_idle)
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -18,6 +20,31 @@ def test_spread():
     assert (s["median"], s["min"], s["max"], s["threads"]) == (2.5, 1.0, 10.0, 2)
     assert s["runs"] == [3.0, 1.0, 2.0, 10.0]
     assert "threads" not in spread([1.0])
+
+
+def test_busy_share_sees_a_busy_core_and_the_idle_wait_gives_up_in_time():
+    """A thread that spins shows up in the busy share; wait_until_idle stops at its bound
+    while the spinning goes on, and returns at once when the bar is above any load."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        share = busy_share(0.2)
+        waited = wait_until_idle(below=0.0, window=0.05, at_most=0.3)
+    finally:
+        stop.set()
+        spinner.join()
+    cores = os.cpu_count() or 1
+    assert share is not None and share > 0.8 / cores     # one spinning core of `cores`
+    assert 0.3 <= waited < 1.0
+    assert wait_until_idle(below=1.01, window=0.05) < 0.5
 
 
 def test_time_in_turns_takes_turns_after_the_warm_up():
