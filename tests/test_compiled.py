@@ -1,7 +1,7 @@
-"""The compiled decode step of the paged engine (``helpers.server.compiled``, lesson 10): the
-same tokens as the eager engines, two graphs compiled at start-up and none after, whatever the
-batch sizes and lengths, and the rows it cannot take (adapters, prompts being read) going the
-eager way.
+"""The packed, compiled step of the paged engine (``helpers.server.compiled``, lesson 10): the
+same tokens as the eager engines, three graphs compiled at start-up and none after, whatever
+the batch sizes, prompt lengths, chunks and cached prefixes, its attention the same as lesson
+08's, and the rows it cannot take (adapters) going lesson 08's way.
 
 One ``PagedEngine(compile=True)`` serves the module (compiling takes seconds to tens of
 seconds; torch keeps compiled kernels on disk, so a second run is faster).
@@ -13,7 +13,11 @@ import pytest
 
 from helpers import load_model
 from helpers.lora import ADAPTERS_DIR
-from helpers.server.compiled import MAX_COMPILES, DecodeStep
+import torch
+
+from helpers.paged import KVPool, PagedForward, paged_attention
+from helpers.server.compiled import (MAX_COMPILES, PackedInputs, PackedStep,
+                                     in_place_decode_attention, packed_paged_attention)
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
 from helpers.server.paged_engine import PagedEngine
@@ -47,32 +51,38 @@ def settled(engine) -> dict:
         return {"steps_compiled": 0, "steps_decode": 0, **engine.snapshot()}
 
 
-def test_warm_up_compiles_two_graphs(compiled):
-    """One graph for a single row, one for every batch of two rows or more."""
+def test_warm_up_compiles_three_graphs(compiled):
+    """One graph for a single row's decode step, one for every other decode step, one for
+    every step that reads prompts."""
     snapshot = compiled.snapshot()
-    assert snapshot["compiles"] == 2
+    assert snapshot["compiles"] == 3
     assert snapshot["compile_seconds"] > 0
     assert compiled.info()["compiled"] is True
 
 
 def test_same_tokens_as_lesson_01_and_no_recompiles(compiled, reference):
     """Greedy answers of varying lengths arrive in waves (batches of 1 to 8 rows, histories
-    of a few tokens to a hundred): every token as lesson 01's loop gives it, every decode step
-    compiled, and not one compile after the warm-up."""
+    of a few tokens to a hundred, prompts read in chunks of 16 tokens, a shared prefix found
+    in the cache): every token as lesson 01's loop gives it, every step compiled, and not one
+    compile after the warm-up."""
     before = settled(compiled)
     prompts = COURSE_PROMPTS + [SHARED, SHARED + " a bone", "A", "The"]
     lengths = [3, 40, 17, 90, 1, 64, 2, 25, 11, 33]
     requests = [(p, GenerationParams(max_new_tokens=n)) for p, n in zip(prompts * 2, lengths)]
     for (prompt, params), events in zip(requests, run(compiled, requests)):
         assert tokens_of(events) == expected_ids(reference, prompt, params.max_new_tokens)
-    # one row alone, then two: the two graphs of the warm-up
-    for batch in ([requests[0]], requests[:2]):
-        run(compiled, batch)
+    # one row alone (its prompt, then its decode steps), then two: the warm-up's graphs;
+    # then SHARED once more, its first blocks found in the prefix cache
+    again = (SHARED, GenerationParams(max_new_tokens=6))
+    for batch in ([requests[0]], requests[:2], [again]):
+        for (prompt, params), events in zip(batch, run(compiled, batch)):
+            assert tokens_of(events) == expected_ids(reference, prompt, params.max_new_tokens)
     after = settled(compiled)
-    assert after["compiles"] == before["compiles"] == 2
-    assert after["steps_compiled"] - before["steps_compiled"] > 0
-    assert after["steps_compiled"] - before["steps_compiled"] == (
-        after["steps_decode"] - before["steps_decode"])
+    assert after["compiles"] == before["compiles"] == 3
+    steps = {kind: after[f"steps_{kind}"] - before.get(f"steps_{kind}", 0)
+             for kind in ("compiled", "decode", "prefill")}
+    assert steps["compiled"] == steps["decode"] + steps["prefill"] > 0
+    assert after["prefix_cache_hits"] > before.get("prefix_cache_hits", 0)   # SHARED, twice
 
 
 def test_ignore_eos_and_sampling_rows_take_the_compiled_step(compiled, reference):
@@ -93,7 +103,7 @@ def test_ignore_eos_and_sampling_rows_take_the_compiled_step(compiled, reference
 def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     """A batch with a LoRA row is not compiled (eager, lesson 08's step); its answers are the
     eager engine's, and the base rows of later batches are compiled again (the wrapped layers
-    cost one more trace of a graph, not one per step)."""
+    cost one more trace of each graph, not one per step)."""
     model, tokenizer = load_model(device="cpu")
     eager = PagedEngine(model, tokenizer, max_batch_size=8, compile=False).start()
     requests = [(COURSE_PROMPTS[0], GenerationParams(max_new_tokens=12, adapter_id="entities")),
@@ -108,14 +118,14 @@ def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     run(compiled, requests[1:])
     assert settled(compiled)["steps_compiled"] > before
     # The first adapter wraps the model's layers (lesson 06): each graph is traced once more.
-    assert compiled.snapshot()["compiles"] <= 4
+    assert compiled.snapshot()["compiles"] <= 6 < MAX_COMPILES
 
 
 def test_too_many_compiles_fall_back_to_eager(reference):
     """Past MAX_COMPILES the step stops calling the compiled model (no recompile storm)."""
     model, tokenizer = reference
     engine = PagedEngine(model, tokenizer, max_batch_size=2, compile=False)
-    step = DecodeStep(model, engine.cache.pool, engine.cache.manager.num_blocks,
+    step = PackedStep(model, engine.cache.pool, engine.cache.manager.num_blocks,
                       engine.pad_id, compile=True)
     step.compiles = MAX_COMPILES + 1        # as if the step had been traced again and again
     assert step.usable(engine._batch) is False            # an empty batch: nothing to run
@@ -137,7 +147,7 @@ def test_auto_runs_eager_where_compiling_fails(reference, monkeypatch, caplog):
     def fail(self):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(DecodeStep, "warm_up", fail)
+    monkeypatch.setattr(PackedStep, "warm_up", fail)
     engine = PagedEngine(model, tokenizer, max_batch_size=2, compile="auto")
     assert engine.info()["compiled"] is False
     assert "compiling failed (RuntimeError: no C++ compiler found)" in caplog.text
@@ -145,3 +155,78 @@ def test_auto_runs_eager_where_compiling_fails(reference, monkeypatch, caplog):
         PagedEngine(model, tokenizer, max_batch_size=2, compile="on")
     with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off', got 'yes'"):
         PagedEngine(model, tokenizer, max_batch_size=2, compile="yes")
+
+
+def gqa_pool(heads=4, kv_heads=2, head_dim=8, blocks=8, block_size=4):
+    """A pool of random keys and values for a model with grouped-query attention (two query
+    heads a kv head), which the bundled GPT-2 does not exercise."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, hidden_size=heads * head_dim)
+    pool = KVPool(SimpleNamespace(config=config, dtype=torch.float32, device="cpu"),
+                  blocks, block_size)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in pool.keys + pool.values:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return pool
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [3, 1, 2]], ids=["decode", "prompts"])
+def test_packed_attention_equals_lesson_08s(counts):
+    """The same rows (histories of 5, 9 and 2 tokens, in scattered blocks) through lesson 08's
+    padded ``paged_attention`` and through the packed one: the same outputs token for token,
+    the same pool after the writes; and the in-place decode attention, eager, gives them too."""
+    from types import SimpleNamespace
+
+    starts, tables = [5, 9, 2], [[6, 1], [0, 3, 5], [2]]
+    heads, kv_heads, head_dim = 4, 2, 8
+    generator = torch.Generator().manual_seed(1)
+    new = [torch.randn(n, heads + 2 * kv_heads, head_dim, generator=generator)
+           for n in counts]
+    module = SimpleNamespace(layer_idx=0)
+    # lesson 08: new tokens padded on the left, (rows, heads, new, head_dim)
+    padded = gqa_pool()
+    width = max(counts)
+
+    def left(part):
+        return torch.stack([torch.cat([torch.zeros(width - x.shape[0], *x.shape[1:]), x])
+                            for x in part]).transpose(1, 2)
+
+    q, k, v = (left([x[:, s] for x in new]) for s in (slice(0, heads),
+                                                        slice(heads, heads + kv_heads),
+                                                        slice(heads + kv_heads, None)))
+    forward = PagedForward.build(padded, tables, starts, counts, "cpu")
+    expected, _ = paged_attention(module, q, k, v, None, paged=forward)
+    expected = torch.cat([expected[r, width - n:] for r, n in enumerate(counts)])   # (T, h, d)
+    # packed: the same tokens one after another, (1, heads, T, head_dim)
+    packed_pool = gqa_pool()
+    flat = torch.cat(new).transpose(0, 1)[None]
+    inputs = PackedInputs.build(packed_pool, 7 * 4, tables, starts, counts, "cpu")
+    output, _ = packed_paged_attention(module, flat[:, :heads], flat[:, heads:heads + kv_heads],
+                                       flat[:, heads + kv_heads:], None, paged=inputs)
+    assert torch.allclose(output[0], expected, atol=1e-5)
+    assert torch.equal(packed_pool.keys[0], padded.keys[0])
+    assert torch.equal(packed_pool.values[0], padded.values[0])
+    if max(counts) == 1:
+        in_place = in_place_decode_attention(flat[0, :heads].transpose(0, 1),
+                                             packed_pool.keys[0], packed_pool.values[0], inputs)
+        assert torch.allclose(in_place, expected, atol=1e-5)
+        assert not torch.allclose(in_place[1:], expected[:-1], atol=1e-3)    # rows differ
+
+
+def test_packed_inputs_of_a_step():
+    """Two rows of a pool of blocks of 4: one reads 3 prompt tokens from position 2 (blocks 2
+    and 3), one generates at position 2 (block 0); block 4 is the scratch block. Where each
+    token is written and read, and which positions each query sees."""
+    pool = gqa_pool(blocks=5, block_size=4)
+    inputs = PackedInputs.build(pool, 16, [[2, 3], [0]], [2, 2], [3, 1], "cpu")
+    assert inputs.positions.tolist() == [[2, 3, 4, 2]]
+    assert inputs.write_indices.tolist() == [10, 11, 12, 2]
+    assert inputs.read_indices.tolist() == [[8, 9, 10, 11, 12], [0, 1, 2, 16, 16]]
+    assert inputs.query_indices.tolist() == [[0, 1, 2], [3, 3, 3]]
+    assert inputs.output_indices.tolist() == [0, 1, 2, 3]
+    assert inputs.last.tolist() == [2, 3]
+    assert inputs.mask[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                [1, 1, 1, 1, 1]]
+    assert inputs.mask[1, 0].int().tolist() == [[1, 1, 1, 0, 0]] * 3

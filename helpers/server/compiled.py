@@ -1,28 +1,41 @@
-"""The paged engine's decode step, compiled with ``torch.compile``. (Lessons 08 and 10.)
+"""The paged engine's step: every row's new tokens packed into one sequence, with no
+padding, and the model compiled with ``torch.compile``. (Lessons 08 and 10.)
 
-A decode step feeds every running row one token. On a small model most of its time is
-Python and per-op dispatch, not arithmetic (lesson 10): ``torch.compile`` traces the model
-once for such a step, and inductor turns the trace into a few fused kernels. What keeps it to
-one trace, not one per step:
+A step feeds each running row its new tokens: one for a row that generates, a prompt (or a
+chunk of it) for a row that has just arrived. Lesson 08 pads them into a (rows, longest)
+batch; here they are packed one row after another into a single sequence of T tokens, as
+vLLM does: the linear layers (most of a step's arithmetic) see only real tokens, and the
+attention function regroups the queries by row (``packed_paged_attention``). (The course's
+five benchmark prompts, padded to the longest, would feed the model 1.6 times their tokens.)
+
+On a small model most of a decode step's time is Python and per-op dispatch, not arithmetic
+(lesson 10): ``torch.compile`` traces the model once, and inductor turns the trace into a
+few fused kernels. What keeps it to a few traces, not one per step:
 
 * **the cache keeps its shape.** Lesson 08's pool of KV blocks is allocated once; a step
-  writes each row's new keys and values into it in place (``index_copy_``) and reads each
+  writes each new token's keys and values into it in place (``index_copy_``) and reads each
   row's history back through its pool indices. (Lesson 03's contiguous cache grows by one
   column a step: a new shape every step.)
-* **the two sizes that do change are dynamic.** A step's tensors are (rows, 1) and
-  (rows, length), where length is the longest row's history. Both dimensions are marked
-  dynamic, so one graph serves every batch of two rows or more and every length; a batch of
-  one row gets a graph of its own (torch specializes dimensions of size 1). Both graphs are
-  compiled at start-up (``warm_up``), on a scratch block that no request owns.
-* **the rest stays eager.** Steps that read prompts (their shapes vary with every prompt) and
-  batches in which a row uses a LoRA adapter run lesson 08's ``paged_next_token`` unchanged.
+* **the sizes that do change are dynamic**: T tokens, R rows, Q new tokens at most a row, L
+  positions in the longest history. They are marked dynamic, so one graph serves every decode
+  step (Q = 1) of two rows or more and one every step that reads prompts (Q > 1). torch
+  compiles a size of 1 apart: the decode step of a single row gets a graph of its own (the
+  most frequent step of all), and a single row that reads a prompt gets a second row on the
+  scratch block instead of a fourth graph. The three graphs are compiled at start-up
+  (``warm_up``), on a scratch block that no request owns.
+* **attention reads the pool in place.** In a compiled decode step the attention is written
+  as two sums over the pool's entries (``in_place_decode_attention``), which inductor turns
+  into loops that read each row's history where it lies, with no copy: what vLLM's
+  PagedAttention kernel does by hand. Eager, the step uses lesson 08's gather and SDPA.
+* **the rest stays eager.** Batches in which a row uses a LoRA adapter run lesson 08's
+  ``paged_next_token`` unchanged: lesson 06's adapters work per row of a padded batch.
 
 On a GPU the same step could be captured as a CUDA graph (``mode="reduce-overhead"``), which
-needs fixed shapes: vLLM pads the rows up to a few *capture sizes* and captures one graph for
-each. On a CPU there is no graph to replay, and rows are not padded here.
+needs fixed shapes: vLLM pads the batch up to a few *capture sizes* and captures one graph for
+each. On a CPU there is no graph to replay, and nothing is padded here.
 
 Every compile is counted (``compiles`` and ``compile_seconds`` in ``/metrics``): after the
-warm-up the count should not move. If it does ``MAX_COMPILES`` times (an adapter loaded into
+warm-up the count should not move. If it does past ``MAX_COMPILES`` (an adapter loaded into
 the model, a model torch cannot trace without breaks), the engine logs it and runs eager from
 then on, rather than stall the batch for each new trace.
 """
@@ -39,67 +52,150 @@ import torch.nn.functional as F
 from ..batching import take_token
 from ..paged import KVPool, PagedBatch
 from ..paged.batching import _book
+from ..paged.batching import _tokens_to_feed as tokens_to_feed
 
 log = logging.getLogger("helpers.server")
 
 #: The name the compiled step's attention function is registered under with transformers.
 COMPILED_ATTENTION = "course_paged_compiled"
-#: Compiles after which the engine stops using the compiled step (the warm-up makes two).
-MAX_COMPILES = 6
+#: Compiles after which the engine stops using the compiled step: the warm-up makes three, and
+#: the first LoRA adapter (whose wrapped layers torch traces again) up to three more.
+MAX_COMPILES = 9
 
 
 @dataclass
-class DecodeInputs:
-    """What ``fixed_paged_attention`` needs for one decode step: one new token per row.
+class PackedInputs:
+    """What ``packed_paged_attention`` needs for one step. The step's new tokens, every row's
+    one after another with no padding, are T tokens; R rows feed them, Q at most a row; the
+    longest row's history (its new tokens included) is L tokens.
 
-    write_indices: (rows,) the pool index each row's new token is written to
-    read_indices:  (rows, length) each row's pool indices from position 0 to its new token,
-                   then the scratch entry as filler up to the longest row (masked out)
-    mask:          (rows, 1, 1, length) True where the row's new token may look
+    write_indices: (T,) the pool index each new token's keys and values are written to
+    read_indices:  (R, L) each row's pool indices from position 0 to its last new token, then
+                   the scratch entry as filler up to L (masked out)
+    query_indices: (R, Q) where each row's new tokens are among the T: row r's j-th new token
+                   (a row with fewer than Q repeats its last one; those copies are dropped)
+    output_indices:(T,) where each of the T tokens is among the R * Q outputs
+    mask:          (R, 1, Q, L) True where a row's new token may look: the positions up to its own
+    positions:     (1, T) each new token's position in its row (the model's ``position_ids``)
+    last:          (R,) where each row's last new token is among the T (``logits_to_keep``)
     """
 
     pool: KVPool
     write_indices: torch.Tensor
     read_indices: torch.Tensor
+    query_indices: torch.Tensor
+    output_indices: torch.Tensor
     mask: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+
+    @classmethod
+    def build(cls, pool: KVPool, scratch: int, tables: list[list[int]], starts: list[int],
+              counts: list[int], device) -> "PackedInputs":
+        """Row r already has ``starts[r]`` tokens in its blocks ``tables[r]`` and now feeds
+        ``counts[r]`` new ones (as lesson 08's ``PagedForward.build``); ``scratch`` is the pool
+        index that padding reads."""
+        size = pool.block_size
+        starts, counts = torch.tensor(starts), torch.tensor(counts)
+        ends = starts + counts
+        width = max(len(table) for table in tables)
+        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
+        # L is at least 2: a history of one token would be a graph of its own.
+        positions = torch.arange(max(2, int(ends.max())))
+        read = table[:, (positions // size).clamp(max=width - 1)] * size + positions % size
+        read = torch.where(positions[None, :] < ends[:, None], read, scratch)
+        # Each new token: its row, its position; where it sits among the T and the R * Q.
+        rows = torch.arange(len(counts))
+        width_q = int(counts.max())
+        if width_q == 1:                        # one token a row: token r is row r's
+            row_of, first, j = rows, rows, torch.zeros_like(rows)
+        else:
+            row_of = torch.repeat_interleave(rows, counts)
+            first = torch.cumsum(counts, 0) - counts           # each row's first of the T
+            j = torch.arange(len(row_of)) - first[row_of]      # the token's place in its row
+        token_positions = starts[row_of] + j
+        write = read[row_of, token_positions]
+        queries = first[:, None] + torch.minimum(torch.arange(width_q)[None, :],
+                                                 (counts - 1)[:, None])
+        mask = positions[None, None, :] <= (starts[:, None] + queries - first[:, None])[..., None]
+        return cls(pool, *(tensor.to(device) for tensor in (
+            write, read, queries, row_of * width_q + j, mask[:, None], token_positions[None],
+            first + counts - 1)))
 
 
-def fixed_paged_attention(module, query, key, value, attention_mask, scaling=None,
-                          dropout=0.0, paged: DecodeInputs | None = None, **kwargs):
-    """Lesson 08's ``paged_attention`` for a decode step, written so that a compiler can
-    trace it: no row is skipped (``index_copy_`` writes every row's token, with no boolean
-    selection whose size depends on the data). query, key, value: (rows, heads, 1, head_dim).
+def packed_paged_attention(module, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, paged: PackedInputs | None = None, **kwargs):
+    """Lesson 08's ``paged_attention`` for a packed step: the model sees one sequence of T
+    tokens (query, key, value: (1, heads, T, head_dim)), the new tokens of every row. Each
+    token's keys and values go to the pool (``index_copy_``, which a compiler can trace); then
+    the queries are regrouped by row, (R, heads, Q, head_dim), attend over their row's history,
+    and go back to the order of the T tokens. Returns (1, T, heads, head_dim), as
+    transformers expects.
     """
     keys, values = paged.pool.keys[module.layer_idx], paged.pool.values[module.layer_idx]
     at = paged.write_indices
-    keys.index_copy_(0, at, key.transpose(1, 2).reshape(-1, *keys.shape[1:]).to(keys.dtype))
-    values.index_copy_(0, at, value.transpose(1, 2).reshape(-1, *values.shape[1:])
-                       .to(values.dtype))
-    # Each row's history, (rows, kv_heads, length, head_dim): lesson 08's gather.
+    keys.index_copy_(0, at, key[0].transpose(0, 1).to(keys.dtype))
+    values.index_copy_(0, at, value[0].transpose(0, 1).to(values.dtype))
+    rows, width = paged.query_indices.shape
+    heads, head_dim = query.shape[1], query.shape[3]
+    tokens = query[0].transpose(0, 1)                              # (T, heads, head_dim)
+    if width == 1 and torch.compiler.is_compiling():
+        # A compiled decode step: row r's one token is token r. Written as sums over the
+        # pool's entries, inductor reads them in place (no copy of each row's history).
+        return in_place_decode_attention(tokens, keys, values, paged, scaling).unsqueeze(0), None
+    # Each row's history, (R, kv_heads, L, head_dim): lesson 08's gather.
     row_keys, row_values = paged.pool.gather(module.layer_idx, paged.read_indices)
     row_keys, row_values = row_keys.to(query.dtype), row_values.to(query.dtype)
-    output = F.scaled_dot_product_attention(query, row_keys, row_values, attn_mask=paged.mask,
+    if width == 1:               # a decode step: row r's one token is token r, nothing to move
+        by_row = tokens.unsqueeze(2)
+    else:
+        by_row = (tokens.index_select(0, paged.query_indices.reshape(-1))
+                  .view(rows, width, heads, head_dim).transpose(1, 2))
+    output = F.scaled_dot_product_attention(by_row, row_keys, row_values, attn_mask=paged.mask,
                                             scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None
+    output = output.transpose(1, 2).reshape(rows * width, heads, head_dim)
+    if width > 1:
+        output = output.index_select(0, paged.output_indices)
+    return output.unsqueeze(0), None
 
 
-class DecodeStep:
-    """The decode step of ``PagedEngine``: every row feeds one token, with its tensors built
-    in a few vectorized operations; compiled once and reused, or eager. (Lesson 10.)
+def in_place_decode_attention(queries, keys, values, paged: PackedInputs, scaling=None):
+    """Attention for a decode step, one query a row, written for inductor: the scores are a
+    sum over head_dim of the row's query times each key it reads, the output a sum over the
+    history of the weights times the values. Eager, ``keys[read]`` would copy every row's
+    history; compiled, inductor makes each sum one loop that reads the pool's entries where
+    they are (what vLLM's PagedAttention kernel does by hand). queries: (R, heads, head_dim);
+    keys, values: a layer's pool. Returns (R, heads, head_dim). GQA: kv_heads may divide heads.
+    """
+    rows, heads, head_dim = queries.shape
+    read = paged.read_indices                                          # (R, L)
+    grouped = queries.view(rows, keys.shape[1], -1, head_dim)          # (R, kv_heads, g, D)
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    scores = (keys[read].to(queries.dtype)[:, :, :, None] * grouped[:, None]).sum(-1) * scale
+    visible = paged.mask[:, 0, 0, :, None, None]                       # (R, L, 1, 1)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=1)
+    output = (weights[..., None] * values[read].to(queries.dtype)[:, :, :, None]).sum(1)
+    return output.reshape(rows, heads, head_dim)
 
-    ``DecodeStep(model, pool, scratch_block, pad_id, compile)``: ``scratch_block`` is a block
-    of ``pool`` the block manager never hands out; padding entries read and write there.
-    ``warm_up()`` compiles; ``usable(batch)`` says whether a batch can take this step;
-    ``step(batch, cache, choose)`` runs it for every row of ``batch``.
+
+class PackedStep:
+    """A step of ``PagedEngine`` with no padding: the new tokens of every row (a decode row's
+    one token, a prompt's tokens or a chunk of them) packed into one sequence, its tensors
+    built in a few vectorized operations; compiled once and reused, or eager. (Lessons 08, 10.)
+
+    ``PackedStep(model, pool, scratch_block, pad_id, compile)``: ``scratch_block`` is a block
+    of ``pool`` the block manager never hands out; padding entries read there. ``warm_up()``
+    compiles; ``usable(batch)`` says whether a batch can take this step; ``step(batch, cache,
+    choose, max_prefill_tokens)`` runs it, as lesson 08's ``paged_next_token`` does.
     """
 
     def __init__(self, model, pool: KVPool, scratch_block: int, pad_id: int,
                  compile: bool = True):
         from transformers import AttentionInterface
 
-        AttentionInterface.register(COMPILED_ATTENTION, fixed_paged_attention)
+        AttentionInterface.register(COMPILED_ATTENTION, packed_paged_attention)
         self.model, self.pool, self.pad_id = model, pool, pad_id
-        self.scratch = scratch_block * pool.block_size    # the scratch entry's pool index
+        self.scratch = scratch_block * pool.block_size    # the scratch block's first entry
         self.compiles = 0
         self.compile_seconds = 0.0
         self.compiled = compile
@@ -120,77 +216,101 @@ class DecodeStep:
         return compiled
 
     def warm_up(self) -> None:
-        """Compile the step for one row and for several (``compiles`` then counts them), on
-        the scratch entry only: no request's keys or values are touched."""
+        """Compile the step for the three kinds of step there are: one row feeds one token
+        (the decode step of a single request), every row feeds one token (decode), some row
+        feeds several (prompts). Only the scratch block is read and written: no request's keys
+        or values are touched."""
         start = time.perf_counter()
+        block = self.scratch // self.pool.block_size
+        # (starts, counts): sizes that differ from one another (T, R, Q, L), so that torch
+        # does not take two of them for one (it would guard on their being equal).
+        shapes = [([4, 0, 0], [1, 1, 1]), ([2, 0], [3, 1]), ([2], [1])]
         with torch.inference_mode():
-            for rows in (2, 1):
-                device = self.model.device
-                ids = torch.full((rows, 1), self.pad_id, device=device)
-                read = torch.full((rows, 2), self.scratch, device=device)
-                self._call(ids, torch.ones(rows, 1, dtype=torch.long, device=device),
-                           torch.full((rows,), self.scratch, device=device), read,
-                           torch.ones(rows, 1, 1, 2, dtype=torch.bool, device=device))
-        log.warning("compiled the decode step in %.1f s (%d graphs; --compile off skips it)",
+            for starts, counts in shapes:
+                self._run(starts, counts, [[block]] * len(counts), [self.pad_id] * sum(counts))
+        log.warning("compiled the model's step in %.1f s (%d graphs; --compile off skips it)",
                     time.perf_counter() - start, self.compiles)
 
     def run_eager(self, why: str) -> None:
         """From now on, run the model eager (and say why in the log)."""
         self.compiled, self._forward = False, self._run_model
-        log.warning("%s: running the decode step eager from now on", why)
+        log.warning("%s: running the model's step eager from now on", why)
 
     def usable(self, batch: PagedBatch) -> bool:
-        """This step takes a batch of rows that generate (no prompt left to read) with no
-        LoRA adapter. Once compiling has gone out of bounds, it runs eager."""
+        """This step takes any batch in which no row uses a LoRA adapter (lesson 06's
+        adapters work per row of a padded batch: those batches take lesson 08's path). Once
+        compiling has gone out of bounds, it runs eager."""
         if self.compiled and self.compiles > MAX_COMPILES:
-            self.run_eager(f"the decode step was compiled {self.compiles} times")
-        return (len(batch) > 0 and not any(batch.adapters)
-                and not any(batch.prefilling(row) for row in range(len(batch))))
+            self.run_eager(f"the step was compiled {self.compiles} times")
+        return len(batch) > 0 and not any(batch.adapters)
 
     # --- one step ---------------------------------------------------------------------------
 
-    def step(self, batch: PagedBatch, cache, choose) -> None:
-        """``paged_next_token`` for a batch in which every row feeds its one pending token:
-        grow each row's blocks, run the model (compiled, or eager), book the tokens, and let
-        ``choose``
-(as in ``paged_next_token``) pick each row's next token."""
-        device = self.model.device
-        rows = range(len(batch))
-        starts = batch.computed
-        tables = [cache.manager.grow(batch.request_ids[row], starts[row] + 1) for row in rows]
-        size = self.pool.block_size
-        lengths = torch.tensor([start + 1 for start in starts])
-        width = max(len(table) for table in tables)
-        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
-        length = int(lengths.max())
-        positions = torch.arange(length)
-        read = table[:, positions // size] * size + positions % size
-        valid = positions[None, :] < lengths[:, None]
-        read = torch.where(valid, read, self.scratch)
-        write = read.gather(1, (lengths - 1)[:, None]).squeeze(1)
-        ids = torch.tensor([[batch.sequence(row)[starts[row]]] for row in rows])
-        logits = self._call(ids.to(device), (lengths - 1)[:, None].to(device),
-                            write.to(device), read.to(device), valid[:, None, None].to(device))
-        for row in rows:
-            _book(cache, batch, row, 1)
-        for row, token in zip(rows, choose(logits, list(rows))):
-            take_token(batch, row, token, False, None)
+    def step(self, batch: PagedBatch, cache, choose, max_prefill_tokens: int | None) -> None:
+        """``paged_next_token`` with the rows' new tokens packed: which rows feed how many
+        tokens (the prompt budget ``max_prefill_tokens``, as there), room in the pool, the model
+        (compiled or eager), the booking, and ``choose`` (as in ``paged_next_token``) for each
+        row that has read all its tokens."""
+        rows, counts = tokens_to_feed(batch, max_prefill_tokens)
+        starts = [batch.computed[row] for row in rows]
+        tables = [cache.manager.grow(batch.request_ids[row], start + new)
+                  for row, start, new in zip(rows, starts, counts)]
+        ids = [token for row, start, new in zip(rows, starts, counts)
+               for token in batch.sequence(row)[start:start + new]]
+        if len(rows) == 1 and counts[0] > 1:     # see _scratch_row
+            self._scratch_row(starts, counts, tables, ids)
+        logits = self._run(starts, counts, tables, ids)
+        for row, new in zip(rows, counts):
+            _book(cache, batch, row, new)
+        ready = [i for i, row in enumerate(rows)     # not in the middle of a longer prompt
+                 if batch.computed[row] == len(batch.sequence(row))]
+        if ready:
+            picked = [rows[i] for i in ready]
+            for row, token in zip(picked, choose(logits[ready], picked)):
+                take_token(batch, row, token, False, None)
 
-    def _call(self, ids, positions, write, read, mask):
+    def _scratch_row(self, starts: list[int], counts: list[int], tables: list[list[int]],
+                     ids: list[int]) -> None:
+        """Add a row that reads and writes the scratch block only, one token at position 0
+        (its output is dropped), to a step in which one row reads a prompt. torch compiles a
+        dimension of size 1 apart from larger ones, so such a step would need a graph of its
+        own; one token more is cheaper. (A step of one row and one token, the decode step of
+        a single request, does get its graph: it is the most frequent step of all, and its
+        graph of fixed sizes is the fastest.)"""
+        starts.append(0)
+        counts.append(1)
+        tables.append([self.scratch // self.pool.block_size])
+        ids.append(self.pad_id)
+
+    def _run(self, starts: list[int], counts: list[int], tables: list[list[int]],
+             ids: list[int]) -> torch.Tensor:
+        """The model on one step's new tokens: row r feeds ``counts[r]`` tokens from position
+        ``starts[r]`` on, its blocks being ``tables[r]``; ``ids`` are all the new tokens, row
+        after row. Returns each row's last-token logits, (R, 1, vocab)."""
+        device = self.model.device
+        paged = PackedInputs.build(self.pool, self.scratch, tables, starts, counts, device)
+        logits = self._call(torch.tensor([ids], device=device), paged)
+        return logits[0][:, None]
+
+    def _call(self, ids, paged: PackedInputs):
         """The model on one step's tensors (each contiguous: a compiled graph guards strides
-        too), with the dimensions that vary marked dynamic for the compiler."""
-        if ids.shape[0] > 1:                       # one graph for every batch of 2 rows or more
-            for tensor in (ids, positions, write, read, mask):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor, dim in ((read, 1), (mask, 3)):
-            torch._dynamo.mark_dynamic(tensor, dim)
+        too), with the sizes that vary (T, R, Q and L) marked dynamic for the compiler; a
+        size of 1 stays static (torch would specialize it anyway)."""
+        dims = [(ids, 1), (paged.positions, 1), (paged.write_indices, 0),      # T
+                (paged.output_indices, 0), (paged.last, 0), (paged.read_indices, 0),  # T, R
+                (paged.query_indices, 0), (paged.mask, 0),                            # R
+                (paged.query_indices, 1), (paged.mask, 2),                            # Q
+                (paged.read_indices, 1), (paged.mask, 3)]                             # L
+        for tensor, dim in dims:
+            if tensor.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(tensor, dim)
         config = self.model.config        # the attention function the model's layers call
         previous, config._attn_implementation = config._attn_implementation, COMPILED_ATTENTION
         try:
-            return self._forward(ids, positions, DecodeInputs(self.pool, write, read, mask))
+            return self._forward(ids, paged)
         finally:
             config._attn_implementation = previous
 
-    def _run_model(self, ids, positions, paged: DecodeInputs):
-        return self.model(input_ids=ids, position_ids=positions, use_cache=False,
-                          logits_to_keep=1, paged=paged).logits
+    def _run_model(self, ids, paged: PackedInputs):
+        return self.model(input_ids=ids, position_ids=paged.positions, use_cache=False,
+                          logits_to_keep=paged.last, paged=paged).logits

@@ -36,7 +36,8 @@ ENGINE_METRICS = {
     "cancelled": ("counter", "Requests dropped because their client went away."),
     "failed": ("counter", "Requests that failed after they were accepted."),
     "rejected_overloaded": ("counter", "Requests refused because the queue was full (429)."),
-    "steps_prefill": ("counter", "Forward passes that read new prompts."),
+    "steps_prefill": ("counter", "Forward passes that read new prompts (on the paged cache, "
+                                 "with the running rows' next tokens in the same pass)."),
     "steps_decode": ("counter", "Forward passes that generated one token per running row."),
     "busy_seconds": ("counter", "Seconds the scheduler spent in forward passes."),
     "waiting": ("gauge", "Requests waiting for a slot in the batch (the queue's length)."),

@@ -5,6 +5,8 @@
 ``paged_batch_from_token_ids`` (the tokenized form of ``init_paged_batch``),
 ``paged_next_token``, ``merge_paged_batches`` and ``filter_paged_batch``. Everything else,
 from checking a request to choosing each row's token and handing it out, is ``Engine``'s.
+A step runs ``paged_next_token``'s work without its padding, and compiled where it can
+(``compiled.PackedStep``, lesson 10); batches with a LoRA row run ``paged_next_token`` itself.
 
     python -m helpers.server --kv-cache paged
 
@@ -18,8 +20,11 @@ What changes for the requests:
 * prompts that share a prefix (a system prompt, a few-shot preamble) share its blocks, and
   only the rest is computed (``/metrics`` counts the prompt tokens looked up in the prefix
   cache and those found there, and shows the blocks in use);
-* a long prompt is read ``max_prefill_tokens`` tokens at a time, each chunk followed by a
-  decode step of the running rows, so their streams do not freeze while it is read.
+* a step is one forward pass over every row: the running rows' next tokens and the newcomers'
+  prompts together, as in vLLM, where lesson 03's engine runs a prefill pass and then a
+  decode pass;
+* a long prompt is read ``max_prefill_tokens`` tokens at a time, each chunk in the same pass
+  as the running rows' next tokens, so their streams do not freeze while it is read.
 
 Prompt log probabilities (``prompt_logprobs``) need the logits at every prompt position, which
 a prefill split into chunks, or skipped for a cached prefix, does not give: for the requests
@@ -36,7 +41,7 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch, kv_shape,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
-from .compiled import DecodeStep
+from .compiled import PackedStep
 from .engine import Engine, Request
 
 
@@ -61,10 +66,10 @@ class PagedEngine(Engine):
     prefix_caching:     new requests reuse the cached blocks of their prompt's prefix
     max_prefill_tokens: prompt tokens read per step at most (chunked prefill; None: no cap).
                         512, as vLLM reads many prompts in one step: a burst of new
-                        requests is read in one pass, not in many small eager ones
+                        requests is read in one pass, not in many small ones
     num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
                         ``max_total_tokens`` tokens, at most ``POOL_BYTES``)
-    compile:            run decode steps compiled (``compiled.py``, lesson 10): "on" (or
+    compile:            run the steps compiled (``compiled.py``, lesson 10): "on" (or
                         True), "off" (or False), or "auto": on, but eager (with a warning in
                         the log) where compiling fails. Compiling happens here, before the
                         engine answers anything.
@@ -81,45 +86,43 @@ class PagedEngine(Engine):
             num_blocks = default_pool_blocks(model, block_size, self.max_batch_size,
                                              self.max_total_tokens)
         check_prefill_budget(max_prefill_tokens)
-        # One spare block, which no request owns: the decode step's padding reads it.
+        # One spare block, which no request owns: the packed step's padding reads it.
         self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
         compile = {True: "on", False: "off"}.get(compile, compile)
         if compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
-        self.decode = DecodeStep(model, self.cache.pool, num_blocks, self.pad_id,
+        self.packed = PackedStep(model, self.cache.pool, num_blocks, self.pad_id,
                                  compile != "off")
         if compile != "off":
             try:
-                self.decode.warm_up()
+                self.packed.warm_up()
             except Exception as err:
                 if compile == "on":
                     raise
-                self.decode.run_eager(f"compiling failed ({type(err).__name__}: {err})")
+                self.packed.run_eager(f"compiling failed ({type(err).__name__}: {err})")
         self.stats["steps_compiled"] = 0
         self.max_prefill_tokens = max_prefill_tokens
-        self._batch = PagedBatch.empty()    # rows that have read their prompts
-        self._new = PagedBatch.empty()      # rows still reading theirs (chunked prefill)
+        self._batch = PagedBatch.empty()    # every admitted row, reading its prompt or not
 
     def step(self) -> None:
-        """One turn: lesson 08's ``generate_paged`` loop for requests that come and go."""
+        """One turn: lesson 08's ``generate_paged`` loop for requests that come and go. Every
+        row is in one batch, and a step is one forward pass over it: the running rows' next
+        tokens and the newcomers' prompt tokens (a chunk of them, at most
+        ``max_prefill_tokens``) together, as vLLM schedules them."""
         # 1. Rows whose client went away leave (their blocks go back to the pool).
         self._drop_cancelled()
         # 2. Once the last newcomers have read their prompts, free slots take waiting
         #    requests, each with the blocks the pool promises it.
-        if len(self._new) == 0:
+        if self._batch.prefilled:
             with self._cond:
-                self._new = self._admit()
-            self._score_prompts(self._new)
-        # 3. The newcomers read (a chunk of) their prompts; once all are read, they join.
-        if len(self._new):
-            self._generate(self._new, "prefill", self.max_prefill_tokens)
-            self._new = filter_paged_batch(self.cache, self._new)
-            if self._new.prefilled:
-                self._batch = merge_paged_batches(self._batch, self._new)
-                self._new = PagedBatch.empty()
-        # 4. One decode step for the running rows; the finished ones leave.
+                new = self._admit()
+            self._score_prompts(new)
+            self._batch = merge_paged_batches(self._batch, new)
+        # 3. One forward pass: each row feeds its pending tokens; rows that have read all of
+        #    theirs get a token, and the finished ones leave.
         if len(self._batch):
-            self._generate(self._batch, "decode", None)
+            kind = "decode" if self._batch.prefilled else "prefill"
+            self._generate(self._batch, kind, self.max_prefill_tokens)
             self._batch = filter_paged_batch(self.cache, self._batch)
 
     def _admit(self) -> PagedBatch:
@@ -176,9 +179,9 @@ class PagedEngine(Engine):
             return self._choose(picked, logits, outgoing)
 
         lora = self.adapters.lora if self.adapters.lora.names else None
-        if kind == "decode" and self.decode.usable(batch):
-            self.decode.step(batch, self.cache, choose)
-            self.stats["steps_compiled"] += self.decode.compiled
+        if self.packed.usable(batch):
+            self.packed.step(batch, self.cache, choose, max_prefill_tokens)
+            self.stats["steps_compiled"] += self.packed.compiled
         else:
             # EOS is handled by Request.accept (per row: ignore_eos, grammars), not the helper.
             paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
@@ -189,29 +192,27 @@ class PagedEngine(Engine):
         self.stats["busy_seconds"] += time.perf_counter() - start
 
     def _drop_cancelled(self) -> None:
-        for name in ("_batch", "_new"):
-            batch = getattr(self, name)
-            cancelled = [i for i, rid in enumerate(batch.request_ids)
-                         if self._rows[rid].cancelled]
-            for i in cancelled:
-                batch.done[i] = True
-                del self._rows[batch.request_ids[i]]
-                self.stats["cancelled"] += 1
-            if cancelled:
-                setattr(self, name, filter_paged_batch(self.cache, batch))
+        batch = self._batch
+        cancelled = [i for i, rid in enumerate(batch.request_ids) if self._rows[rid].cancelled]
+        for i in cancelled:
+            batch.done[i] = True
+            del self._rows[batch.request_ids[i]]
+            self.stats["cancelled"] += 1
+        if cancelled:
+            self._batch = filter_paged_batch(self.cache, batch)
 
     def _fail_rows(self, message: str) -> None:
         super()._fail_rows(message)
         for rid in list(self.cache.manager.tables):     # every block back to the pool
             self.cache.manager.free_request(rid)
-        self._batch, self._new = PagedBatch.empty(), PagedBatch.empty()
+        self._batch = PagedBatch.empty()
 
     def snapshot(self) -> dict:
         """``Engine``'s counters and gauges, and the pool's: blocks held by requests and
         blocks in all (the prefix-cache counters are in ``stats``, counted at admission)."""
         manager = self.cache.manager
-        compiled = {"compiles": self.decode.compiles,
-                    "compile_seconds": self.decode.compile_seconds}
+        compiled = {"compiles": self.packed.compiles,
+                    "compile_seconds": self.packed.compile_seconds}
         return {**super().snapshot(), "kv_blocks_used": manager.used,
                 "kv_blocks_total": manager.num_blocks, **compiled}
 
@@ -220,4 +221,4 @@ class PagedEngine(Engine):
                 "kv_blocks": self.cache.manager.num_blocks,
                 "prefix_caching": self.cache.prefix_caching,
                 "max_prefill_tokens": self.max_prefill_tokens,
-                "compiled": self.decode.compiled}
+                "compiled": self.packed.compiled}
