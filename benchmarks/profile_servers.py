@@ -10,9 +10,9 @@ run (as in ``vllm_compare.py``, defaults against defaults, one torch thread each
 
 - ours (``helpers.server.serve_in_background(threads=1)``): the HTTP process (uvicorn, the
   routes, writing the SSE streams, the thread that reads the engine's pipe) and the engine
-  process (``engine_process.py``: the scheduler ``PagedEngine.step``, the compiled decode step
-  ``DecodeStep``, the eager prefill ``paged_next_token``, choosing the tokens, handing them
-  out and detokenizing them, the pipe's writer);
+  process (``engine_process.py``: the scheduler ``PagedEngine.step``, the compiled step
+  ``PackedStep``, lesson 08's eager ``paged_next_token`` for batches with an adapter row,
+  choosing the tokens, handing them out and detokenizing them, the pipe's writer);
 - vLLM (``vllm_serve.py``): the API server (HTTP, tokenizing prompts, detokenizing outputs),
   the engine core (the scheduler) and a worker (the model runner).
 
@@ -135,10 +135,10 @@ def vllm_category(frames: list[str], part: str = "") -> str:
 # --- our frames -----------------------------------------------------------------------------
 
 IPC = "IPC: pickling and the pipe between the two processes"
-OUR_DECODE = "model forward: the compiled decode step (DecodeStep._call: dynamo, inductor)"
-OUR_PREFILL = "model forward: eager (paged_next_token: the prefill)"
+OUR_DECODE = "model forward: the compiled step (PackedStep._call: dynamo, inductor)"
+OUR_PREFILL = "model forward: eager (paged_next_token: a batch with an adapter row)"
 OUR_EAGER = "model forward: eager (elsewhere)"
-OUR_INPUTS = "the step's inputs (DecodeStep.step, PagedForward.build, left_pad)"
+OUR_INPUTS = "the step's inputs (PackedStep.step, PackedInputs.build, PagedForward.build)"
 OUR_SCHEDULER = "scheduler: admission, bookkeeping, block manager (PagedEngine.step)"
 OUR_SAMPLER = "sampler (Engine._choose, sampling.py)"
 OUR_OUTPUTS = "handing out tokens (_hand_out, Request.accept)"
@@ -190,7 +190,7 @@ ENGINE_RULES = [
     (None, "helpers/server/paged_engine.py", OUR_SCHEDULER),
     ("_call", "helpers/server/compiled.py", OUR_DECODE),
     ("usable", "helpers/server/compiled.py", OUR_SCHEDULER),
-    (None, "helpers/server/compiled.py", OUR_INPUTS),       # DecodeStep.step: its tensors
+    (None, "helpers/server/compiled.py", OUR_INPUTS),       # PackedStep.step: its tensors
     *[(name, "helpers/paged/attention.py", OUR_INPUTS)
       for name in ("build", "pool_indices", "model_uses_paged_attention")],
     *[(name, "helpers/paged/batching.py", OUR_INPUTS)
@@ -242,7 +242,7 @@ def our_category(frames: list[str], part: str) -> str:
         if compiled or any(frame in MODEL_CALLS for frame in frames):
             if "paged_next_token (helpers/paged/batching.py)" in frames:
                 return OUR_PREFILL
-            # Compiled code runs in the decode step alone (a stack that py-spy caught in part
+            # Compiled code runs in the packed step alone (a stack that py-spy caught in part
             # may lack the frames further out).
             if compiled or "_call (helpers/server/compiled.py)" in frames:
                 return OUR_DECODE
@@ -279,11 +279,11 @@ GROUPS = {"model forward": "forward", OUR_DECODE: "forward", OUR_PREFILL: "forwa
           OUR_OUTPUTS: "outputs", OUR_DETOK: "outputs",
           SPINNING: "spin-wait"}
 COLUMNS = {
-    "forward": "the model's forward pass (vLLM's worker; ours: the compiled decode step and the "
-               "eager prefill)",
+    "forward": "the model's forward pass (vLLM's worker; ours: the compiled step, and lesson 08's "
+               "eager one for batches with an adapter row)",
     "sampler": "choosing the tokens (vLLM's worker; ours: `Engine._choose`, `sampling.py`)",
     "inputs": "a step's input tensors and the runner's bookkeeping (vLLM's model runner; ours: "
-              "`DecodeStep.step` around the model call, `PagedForward.build`, `left_pad`)",
+              "`PackedStep.step` around the model call, `PackedInputs.build`)",
     "scheduler": "the scheduler and its KV blocks (vLLM's engine core; ours: `PagedEngine.step`,"
                  " admission into the batch, booking tokens, the block manager)",
     "engine loop": "the loop around the steps (vLLM: the engine core's loop, its calls to the "
@@ -698,7 +698,7 @@ def level_markdown(result: dict, level: dict, names: list[str]) -> list[str]:
                             for p, s in row["processes"].items())
         counters = row.get("counters")
         kinds = (f" ({counters['steps_decode']} decode, {counters['steps_prefill']} prefill; "
-                 f"{counters['steps_compiled']} decode steps compiled, "
+                 f"{counters['steps_compiled']} steps compiled, "
                  f"{counters['compiles']} compiles)" if counters else "")
         lines += [f"**{WORDS[name]}**: {row['runs']} round(s), {row['tokens']} tokens in "
                   f"{row['seconds']:.1f} s; {steps} engine steps{kinds}, {step_ms(row):.1f} ms "

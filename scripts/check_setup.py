@@ -136,8 +136,8 @@ def check_server() -> tuple[str, int]:
     finally:
         server.stop()
     seconds = time.perf_counter() - start
-    step = ("its decode step compiled" if compiled else
-            "its decode step eager: torch.compile failed here (a C++ compiler missing?), "
+    step = ("its model step compiled" if compiled else
+            "its model step eager: torch.compile failed here (a C++ compiler missing?), "
             "lesson 10's compiled runs will fail too")
     return (f"the course server starts, answers ('Jack and Jill' →{text!r}) and stops "
             f"({seconds:.0f} s; {step})"), port

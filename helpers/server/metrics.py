@@ -50,11 +50,11 @@ ENGINE_METRICS = {
     "kv_blocks_used": ("gauge", "KV blocks held by running requests (paged KV cache only; free "
                                 "blocks may still hold cached prefixes)."),
     "kv_blocks_total": ("gauge", "KV blocks in the pool (paged KV cache only; 0 otherwise)."),
-    "steps_compiled": ("counter", "Decode steps run by the compiled model (paged KV cache "
-                                  "with --compile; lesson 10)."),
-    "compiles": ("counter", "Graphs torch.compile made of the decode step: two at start-up; "
+    "steps_compiled": ("counter", "Steps run by the compiled model (paged KV cache with "
+                                  "--compile; lesson 10)."),
+    "compiles": ("counter", "Graphs torch.compile made of the model's step: three at start-up; "
                             "more means the step was traced again (a recompile)."),
-    "compile_seconds": ("counter", "Seconds spent compiling the decode step."),
+    "compile_seconds": ("counter", "Seconds spent compiling the model's step."),
     "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
                                   "event (with the engine in a process of its own)."),
 }

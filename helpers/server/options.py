@@ -56,7 +56,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache", str, "paged", "the KV cache: 'paged' (blocks, prefix caching and chunked "
            "prefill, lesson 08) or 'contiguous' (one tensor per layer, lessons 03 and 07)",
            choices=("paged", "contiguous")),
-    Option("compile", str, "auto", "compile the paged cache's decode step with torch.compile at "
+    Option("compile", str, "auto", "compile the paged cache's model step with torch.compile at "
            "start-up (lesson 10): 'auto' (with --kv-cache paged; eager, with a warning, where "
            "compiling fails, e.g. no C++ compiler), 'on' (fail instead) or 'off'",
            choices=("auto", "on", "off")),
