@@ -60,6 +60,7 @@ from benchmarks.bench_server import PROMPTS, levels_argument, metrics
 from benchmarks.vllm_compare import our_steps
 from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
 from benchmarks.server_compare import OURS_EXTRA, openai_at_once
+from benchmarks.timing import wait_until_idle
 from benchmarks.vllm_serve import (VllmServe, command_line, descendants, vllm_python,
                                    vllm_steps, vllm_versions)
 
@@ -544,6 +545,7 @@ def profile(targets: dict[str, Target], levels=LEVELS, new_tokens: int = 64,
             print(f"  {WORDS[name]}: {clients} client(s), {seconds:g} s or more ...", flush=True)
             idle = [pid for other, target in targets.items() if other != name
                     for pid in target.processes().values()]
+            wait_until_idle()                   # vLLM polls for ~1 s after its last answer
             row["servers"][name] = profile_level(targets[name], clients, new_tokens, seconds,
                                                  idle)
         rows.append(row)
@@ -602,17 +604,17 @@ def markdown(result: dict) -> str:
         f"after (a busy machine slows every figure; only the proportions count). "
         f"{'; '.join(versions)}. Made by `python -m benchmarks.profile_servers` (or "
         f"`vllm_compare --profile`); its docstring says how.", "",
-        f"Each level, on each server in turn (the other one idle): that many streaming requests"
-        f" at once ({result['new_tokens']} new tokens, EOS ignored, greedy), one untimed round,"
-        f" then repeated for at least {result['seconds']:g} s while `py-spy record` sampled "
+        f"Each level, on each server in turn (the other one idle, and the CPUs idle before it "
+        f"starts): that many streaming requests at once ({result['new_tokens']} new tokens, "
+        f"EOS ignored, greedy), one untimed round, then repeated for at least "
+        f"{result['seconds']:g} s while `py-spy record` sampled "
         f"every process of the server {result['rate']} times a second without pausing it "
         f"(Python stacks; threads py-spy sees idle are left out, and so are those it counts "
         f"busy in a blocking call: a process's samples are its busy time, which py-spy "
         f"overstates where a thread waits in a way it does not see; compare them with the CPU "
         f"seconds). ms a step: samples / the rate / the level's engine steps. A step: vLLM's "
         f"engine steps (`vllm:iteration_tokens_total`); ours: decode steps + prefill steps "
-        f"(our /metrics, as `vllm_compare` counts them: a turn of `PagedEngine.step` that reads a "
-        f"prompt chunk and then decodes counts two).", ""]
+        f"(our /metrics, as `vllm_compare` counts them: one forward pass each, as vLLM's).", ""]
     lines += summary_markdown(result, names)
     lines += differences_markdown(result, names)
     for row in result["levels"]:
