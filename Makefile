@@ -164,7 +164,7 @@ $(VENV_VLLM)/.installed:
 	@touch $@
 
 # Not part of `make test` or `make bench`: vLLM takes 60-100 s to start (tests/vllm and
-# benchmarks/vllm_serve.py say more); the benchmark takes about 10 minutes.
+# benchmarks/vllm_serve.py say more); the benchmark takes about 5 minutes.
 test-vllm: $(STAMP) $(VENV_VLLM)/.installed
 	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m pytest -p no:cacheprovider -q tests/vllm
 

@@ -240,10 +240,17 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
                 for r in runs]
         rows.append(["**all**", "", f"**{sum(r['seconds'] for r in runs) / 60:.1f} min**", ""])
         lines += markdown_table(["benchmark", "covers", "wall time", "exit"], rows, "llrl") + [""]
-    apart = [f"[{name}.md]({name}.md)" for name in APART if (out / f"{name}.md").exists()]
+    what = {"bench_vllm": "from `make bench-vllm` (the course server beside real vLLM, "
+                          "defaults against defaults, 1, 16 and 64 streaming clients; plot: "
+                          "[vllm.png](vllm.png))",
+            "profile_servers": "from `python -m benchmarks.profile_servers` or `python -m "
+                               "benchmarks.vllm_compare --profile` (where each server's time "
+                               "goes, py-spy)"}
+    apart = [f"[{name}.md]({name}.md) {what[name]}" for name in APART
+             if (out / f"{name}.md").exists()]
     if apart:
-        lines += ["Run apart from `make bench`, in vLLM's own environment (`make bench-vllm`): "
-                  + ", ".join(apart) + ".", ""]
+        lines += ["Run apart from `make bench` (vLLM's own environment, 60-100 s to start): "
+                  + "; ".join(apart) + ".", ""]
     lines += ["## Headline figures", ""]
     lines += markdown_table(["figure", "measured", "target", ""], headline_rows(out), "lrrl")
     plots = sorted(p.name for p in out.glob("*.png"))

@@ -1,7 +1,7 @@
 """Benchmark: the course server beside real vLLM, defaults against defaults.
 
-    python -m benchmarks.vllm_compare             # 5 turns, then vLLM --enable-lora once (~8 min)
-    python -m benchmarks.vllm_compare --quick     # 2 turns, no LoRA check (~4 min)
+    python -m benchmarks.vllm_compare             # 5 turns, then vLLM --enable-lora once (~5 min)
+    python -m benchmarks.vllm_compare --quick     # 2 turns, no LoRA check (~2 min)
     python -m benchmarks.vllm_compare --profile   # then profile_servers.py on the same servers
 
 ``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
