@@ -121,6 +121,29 @@ def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     assert compiled.snapshot()["compiles"] <= 6 < MAX_COMPILES
 
 
+@pytest.mark.skipif(not HAVE_ADAPTERS, reason="the course's adapters are not trained here")
+def test_an_adapter_scored_alone_leaves_no_adapter_behind(compiled, reference):
+    """A request with an adapter that asks for its prompt's log probabilities is scored by a
+    pass of its own: afterwards no adapter is left set for the base rows that follow (the
+    packed step sees one sequence, so a stale adapter would apply to every row)."""
+    base = (COURSE_PROMPTS[0], GenerationParams(max_new_tokens=12))
+    want = expected_ids(reference, *base[:1], 12)
+    assert tokens_of(run(compiled, [base])[0]) == want
+    run(compiled, [(COURSE_PROMPTS[1], GenerationParams(max_new_tokens=3, adapter_id="entities",
+                                                        prompt_logprobs=True))])
+    assert compiled.adapters.lora.current_rows is None
+    assert tokens_of(run(compiled, [base])[0]) == want
+
+
+def test_a_pool_too_small_for_one_request_is_refused(reference):
+    """A request the pool could never hold would wait for blocks forever: refused up front."""
+    model, tokenizer = reference
+    with pytest.raises(ValueError, match=r"num_blocks=2 blocks of 16 tokens cannot hold one "
+                                         r"request of max_total_tokens=256: give at least 16"):
+        PagedEngine(model, tokenizer, num_blocks=2)
+    assert PagedEngine(model, tokenizer, num_blocks=16).cache.manager.num_blocks == 16
+
+
 def test_too_many_compiles_fall_back_to_eager(reference):
     """Past MAX_COMPILES the step stops calling the compiled model (no recompile storm)."""
     model, tokenizer = reference

@@ -85,6 +85,12 @@ class PagedEngine(Engine):
         if num_blocks is None:
             num_blocks = default_pool_blocks(model, block_size, self.max_batch_size,
                                              self.max_total_tokens)
+        one_request = math.ceil(self.max_total_tokens / block_size)
+        if num_blocks < one_request:         # such a request would wait for blocks forever
+            raise ValueError(
+                f"num_blocks={num_blocks} blocks of {block_size} tokens cannot hold one request "
+                f"of max_total_tokens={self.max_total_tokens}: give at least {one_request} "
+                f"blocks, or a smaller max_total_tokens")
         check_prefill_budget(max_prefill_tokens)
         # One spare block, which no request owns: the packed step's padding reads it.
         self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
@@ -161,10 +167,10 @@ class PagedEngine(Engine):
 
     def _score_alone(self, row: Request, adapter: str | None, outgoing: list) -> None:
         lora = self.adapters.lora
-        if lora.names:
-            lora.set_rows([adapter])
         ids = torch.tensor([row.prompt_ids], device=self.device)
-        self._score_prompt(row, self.model(input_ids=ids, use_cache=False).logits[0], outgoing)
+        with lora.rows([adapter] if lora.names else None):     # then the rows as they were
+            logits = self.model(input_ids=ids, use_cache=False).logits[0]
+        self._score_prompt(row, logits, outgoing)
 
     def _generate(self, batch: PagedBatch, kind: str, max_prefill_tokens: int | None) -> None:
         """Lesson 08's ``paged_next_token`` with the rows' adapters and ``Engine``'s chooser;
@@ -180,6 +186,8 @@ class PagedEngine(Engine):
 
         lora = self.adapters.lora if self.adapters.lora.names else None
         if self.packed.usable(batch):
+            if lora is not None:             # no row uses an adapter: none may be left set
+                lora.set_rows(None)
             self.packed.step(batch, self.cache, choose, max_prefill_tokens)
             self.stats["steps_compiled"] += self.packed.compiled
         else:
