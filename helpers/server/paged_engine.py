@@ -68,7 +68,8 @@ class PagedEngine(Engine):
                         512, as vLLM reads many prompts in one step: a burst of new
                         requests is read in one pass, not in many small ones
     num_blocks:         blocks in the pool (default: room for ``max_batch_size`` requests of
-                        ``max_total_tokens`` tokens, at most ``POOL_BYTES``)
+                        ``max_total_tokens`` tokens, at most ``POOL_BYTES``); fewer than one
+                        request of ``max_total_tokens`` needs is a ValueError
     compile:            run the steps compiled (``compiled.py``, lesson 10): "on" (or
                         True), "off" (or False), or "auto": on, but eager (with a warning in
                         the log) where compiling fails. Compiling happens here, before the
