@@ -275,6 +275,16 @@ def none_when_never(compile_seconds, eager_step, compiled_step, batch=1):
     return math.ceil(compile_seconds / saving) * batch if saving > 0 else None
 
 
+def rounded_down(compile_seconds, eager_step, compiled_step, batch=1):
+    saving = eager_step - compiled_step
+    return math.floor(compile_seconds / saving) * batch if saving > 0 else math.inf
+
+
+def rounded_to_nearest(compile_seconds, eager_step, compiled_step, batch=1):
+    saving = eager_step - compiled_step
+    return round(compile_seconds / saving) * batch if saving > 0 else math.inf
+
+
 def ratio_of_steps(compile_seconds, eager_step, compiled_step, batch=1):
     return math.ceil(compile_seconds / (eager_step / compiled_step)) * batch
 
@@ -287,6 +297,8 @@ BREAK_EVEN_MISTAKES = {
     saving_inverted: "the saving per step is eager_step − compiled_step",
     none_when_never: "return math.inf when the compiled step saves nothing",
     ratio_of_steps: "divided by the saving per step",
+    rounded_down: "rounded up to whole steps",
+    rounded_to_nearest: "rounded up to whole steps",
 }
 
 
