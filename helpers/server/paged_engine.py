@@ -128,8 +128,7 @@ class PagedEngine(Engine):
         # 3. One forward pass: each row feeds its pending tokens; rows that have read all of
         #    theirs get a token, and the finished ones leave.
         if len(self._batch):
-            kind = "decode" if self._batch.prefilled else "prefill"
-            self._generate(self._batch, kind, self.max_prefill_tokens)
+            self._generate(self._batch)
             self._batch = filter_paged_batch(self.cache, self._batch)
 
     def _admit(self) -> PagedBatch:
@@ -173,10 +172,13 @@ class PagedEngine(Engine):
             logits = self.model(input_ids=ids, use_cache=False).logits[0]
         self._score_prompt(row, logits, outgoing)
 
-    def _generate(self, batch: PagedBatch, kind: str, max_prefill_tokens: int | None) -> None:
-        """Lesson 08's ``paged_next_token`` with the rows' adapters and ``Engine``'s chooser;
-        then the rows that got a token hand it out."""
+    def _generate(self, batch: PagedBatch) -> None:
+        """One forward pass over ``batch`` (the packed step, or lesson 08's ``paged_next_token``
+        where a row uses an adapter) with ``Engine``'s chooser; then the rows that got a token
+        hand it out. A pass that reads prompt tokens counts as a prefill step."""
         start = time.perf_counter()
+        kind = "decode" if batch.prefilled else "prefill"
+        max_prefill_tokens = self.max_prefill_tokens
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
         outgoing, chosen = [], []
 
