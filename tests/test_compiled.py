@@ -102,8 +102,8 @@ def test_ignore_eos_and_sampling_rows_take_the_compiled_step(compiled, reference
 @pytest.mark.skipif(not HAVE_ADAPTERS, reason="the course's adapters are not trained here")
 def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     """A batch with a LoRA row is not compiled (eager, lesson 08's step); its answers are the
-    eager engine's, and the base rows of later batches are compiled again (the wrapped layers
-    cost one more trace of each graph, not one per step)."""
+    eager engine's, and the base rows of later batches take the compiled step again, with the
+    graphs of the warm-up."""
     model, tokenizer = load_model(device="cpu")
     eager = PagedEngine(model, tokenizer, max_batch_size=8, compile=False).start()
     requests = [(COURSE_PROMPTS[0], GenerationParams(max_new_tokens=12, adapter_id="entities")),
@@ -117,8 +117,9 @@ def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     assert settled(compiled)["steps_compiled"] == before      # the adapter row: eager
     run(compiled, requests[1:])
     assert settled(compiled)["steps_compiled"] > before
-    # The first adapter wraps the model's layers (lesson 06): each graph is traced once more.
-    assert compiled.snapshot()["compiles"] <= 6 < MAX_COMPILES
+    # Every adaptable layer was wrapped before compiling: loading the adapter changed no
+    # module the graphs were traced from, so nothing is compiled again.
+    assert compiled.snapshot()["compiles"] == 3
 
 
 @pytest.mark.skipif(not HAVE_ADAPTERS, reason="the course's adapters are not trained here")

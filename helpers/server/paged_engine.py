@@ -41,6 +41,7 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch, kv_shape,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
+from .choosing import guarded
 from .compiled import PackedStep
 from .engine import Engine, Request
 
@@ -101,6 +102,9 @@ class PagedEngine(Engine):
         self.packed = PackedStep(model, self.cache.pool, num_blocks, self.pad_id,
                                  compile != "off")
         if compile != "off":
+            # Every layer an adapter could touch is wrapped before compiling, so that loading
+            # an adapter later never changes the model the graphs were traced from.
+            self.adapters.lora.wrap_all()
             try:
                 self.packed.warm_up()
             except Exception as err:
@@ -162,7 +166,7 @@ class PagedEngine(Engine):
         for rid, adapter in zip(batch.request_ids, batch.adapters):
             row = self._rows[rid]
             if row.params.prompt_logprobs:
-                self._guarded(row, self._score_alone, row, adapter, outgoing)
+                guarded(row, self._score_alone, row, adapter, outgoing)
         self.deliver(outgoing)
 
     def _score_alone(self, row: Request, adapter: str | None, outgoing: list) -> None:
@@ -170,7 +174,7 @@ class PagedEngine(Engine):
         ids = torch.tensor([row.prompt_ids], device=self.device)
         with lora.rows([adapter] if lora.names else None):     # then the rows as they were
             logits = self.model(input_ids=ids, use_cache=False).logits[0]
-        self._score_prompt(row, logits, outgoing)
+        self.choose.score_prompt(row, logits, outgoing)
 
     def _generate(self, batch: PagedBatch) -> None:
         """One forward pass over ``batch`` (the packed step, or lesson 08's ``paged_next_token``
@@ -185,7 +189,7 @@ class PagedEngine(Engine):
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
             chosen.extend(zip(rows, picked))
-            return self._choose(picked, logits, outgoing)
+            return self.choose(picked, logits, outgoing)
 
         lora = self.adapters.lora if self.adapters.lora.names else None
         if self.packed.usable(batch):
