@@ -12,7 +12,8 @@ checks every import in the package against it, imports inside functions included
                                      the course's last run on a GPU
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
-    4. batching, quantization, lora  what lessons 02-06 teach
+    4. batching, quantization, lora, costs  what lessons 02-06 teach, and what a decode
+                                     step costs on this device (lesson 02)
     5. paged, speculative            the paged KV cache (lesson 08), on top of lesson 03's batches;
                                      speculative decoding (lesson 09)
     6. corpus, plots                 the story world's text, the lessons' figures
@@ -50,6 +51,7 @@ _EXPORTS = {
     "plots": ["durations_figure", "finish_times", "plot_timeline", "timelines_figure"],
     "quiet": ["import_torchao", "quiet_stderr"],
     "gpu_run": ["gpu_record"],
+    "costs": ["DeviceRates", "StepCost", "measure_rates", "step_cost", "step_overhead"],
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
     "server": ["serve_in_background"],
@@ -69,6 +71,7 @@ __all__ = [
     "model_context", "plot_timeline", "position_ids_from_mask", "static_decode_steps",
     "time_batch", "time_batch_sizes", "time_schedules", "transformers_generate_batch",
     "durations_figure", "finish_times", "timelines_figure",
+    "DeviceRates", "StepCost", "measure_rates", "step_cost", "step_overhead",
     # lesson 04: quantization
     "LLAMA2_70B", "QuantState", "conv1d_to_linear", "dequantize", "dequantize_model",
     "footprint", "gpu_memory_estimate", "import_torchao", "kv_cache_plan", "perplexity",
