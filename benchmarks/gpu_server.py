@@ -126,7 +126,7 @@ def no_recapture(graphed, steps: int = 1000) -> tuple[dict, list[str]]:
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     memory_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     waves = 0
-    long_prompt = " ".join(PROMPTS * 6)
+    long_prompt = " ".join(PROMPTS * 4)            # about 90 tokens: a prompt read in chunks
     while graphed.snapshot().get("steps_decode", 0) + graphed.snapshot().get(
             "steps_prefill", 0) - before.get("steps_decode", 0) - before.get(
             "steps_prefill", 0) < steps:
