@@ -116,7 +116,7 @@ def install_hint(missing: list[str]) -> str:
     """One line: what is missing, and the pip command that installs it."""
     listed = _requirements()
     names = [name.split(" (")[0] for name in missing]
-    others = [name for name in names if name not in listed]
+    others = [name for name in names if _canonical(name) not in listed]
     command = f"python3 -m pip install --no-deps -r {REQUIREMENTS}"
     if others:
         command += " && python3 -m pip install " + " ".join(others)
@@ -125,10 +125,15 @@ def install_hint(missing: list[str]) -> str:
             f"--no-index --no-deps WHEELS/*.whl)")
 
 
+def _canonical(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
 def _requirements() -> set[str]:
+    """The packages requirements-gpu.txt names."""
     path = ROOT / REQUIREMENTS
     lines = path.read_text().splitlines() if path.exists() else []
-    return {line.split("==")[0].strip().lower() for line in lines
+    return {_canonical(line.split("==")[0]) for line in lines
             if line.strip() and not line.startswith("#")}
 
 
