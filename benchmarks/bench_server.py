@@ -41,7 +41,8 @@ a warm-up request:
    machine does not land on one level only.
 6. side by side with ``transformers serve --continuous-batching`` (``server_compare.py``):
    1, 16 and 64 clients on both servers, OpenAI's streaming ``/v1/completions`` on each, the
-   same prompts and lengths, taking turns. Target: ours >= 1.5x their tokens/s at 16 clients.
+   same prompts and lengths, taking turns, both on ``--device`` (their ``--device`` follows
+   ours). Target: ours >= 1.5x their tokens/s at 16 clients.
 
 Targets (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another; one client >= 70%
 of the bare loop; >= 1.5x transformers serve at 16 clients. Also checks that the runs return
@@ -452,7 +453,8 @@ def side_by_side_markdown(result):
              row["same_texts"]] for row in compared["levels"]]
     return lines + [
         f"transformers {result['transformers']}: `transformers serve --continuous-batching "
-        f"--device cpu` on the same model folder, {result['threads']} torch thread(s) "
+        f"--device {result.get('device', 'cpu')}` on the same model folder and device as ours, "
+        f"{result['threads']} torch thread(s) "
         f"(OMP_NUM_THREADS). Each level: that many streaming requests at once on OpenAI's "
         f"`/v1/completions` of each server, the course prompts, {result['new_tokens']} new "
         f"tokens each with EOS ignored, greedy; tokens counted from each stream's usage. The "
@@ -576,7 +578,8 @@ def main(argv=None):
     # Their server starts now, while ours does (each takes seconds to import and load), and
     # stays idle until the side-by-side part. (If it cannot start, side_by_side says why.)
     theirs = TransformersServe(resolve_model_name(args.model), args.threads,
-                               max(args.compare_levels), model_context(model) or 2048)
+                               max(args.compare_levels), model_context(model) or 2048,
+                               device=args.device)
     with contextlib.suppress(RuntimeError, OSError):
         theirs.start()
     with ours as url, contextlib.ExitStack() as stack:
@@ -613,7 +616,8 @@ def describe_run(args) -> dict:
     import transformers
 
     return {
-        "model": args.model or "bundled", "reps": args.reps, "threads": args.threads,
+        "model": args.model or "bundled", "device": args.device, "reps": args.reps,
+        "threads": args.threads,
         "clients": args.clients, "new_tokens": args.new_tokens, "quick": args.quick,
         "load_average": load_average(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

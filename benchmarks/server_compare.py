@@ -6,8 +6,9 @@ own continuous batching on a paged KV cache. Both servers get the same requests 
 route kind, OpenAI's streaming ``POST /v1/completions``: the same prompts, the same number of
 new tokens with the end-of-sequence token ignored (ours: ``ignore_eos_token``; theirs: a
 per-request generation config with ``eos_token_id`` -1, which their batching reads as "no end
-token"), greedy (``temperature`` 0), the same number of torch threads on the CPU. The tokens
-are counted from each stream's ``usage`` (their server may put several tokens in one event).
+token"), greedy (``temperature`` 0), on the same device (``--device`` of both), the same
+number of torch threads on a CPU. The tokens are counted from each stream's ``usage`` (their
+server may put several tokens in one event).
 
 Their server loads the model from the same local folder (offline: ``HF_HUB_OFFLINE=1``), and
 builds its batching manager on the first request, which takes seconds: a warm-up request
@@ -155,17 +156,18 @@ class ServerProcess:
 
 
 class TransformersServe(ServerProcess):
-    """``transformers serve --continuous-batching`` on one local model folder, on the CPU,
-    with ``threads`` torch threads; ``with TransformersServe(path, threads, clients, context)
-    as url:`` starts it."""
+    """``transformers serve --continuous-batching`` on one local model folder, on ``device``
+    (the device our server uses in the same comparison: "cpu", "cuda", "cuda:1"), with
+    ``threads`` torch threads; ``with TransformersServe(path, threads, clients, context,
+    device) as url:`` starts it."""
 
     name = "transformers serve"
 
     def __init__(self, model_path: str, threads: int, clients: int, context: int,
-                 timeout: float = 300.0):
+                 device: str = "cpu", timeout: float = 300.0):
         super().__init__(timeout)
-        self.model_path, self.threads = model_path, threads
-        # On the CPU their cache would take 90% of the machine's free memory (14 GB here):
+        self.model_path, self.threads, self.device = model_path, threads, device
+        # Their cache would take 90% of the device's free memory (14 GB on a laptop's CPU):
         # give it room for ``clients`` requests of the model's whole context instead, in
         # blocks of 256 tokens (their page size). A step reads at most MAX_BATCH_TOKENS
         # tokens (their attention masks are sized by it: 2.7 GB at 16384).
@@ -177,7 +179,7 @@ class TransformersServe(ServerProcess):
         if command is None:
             raise RuntimeError("this environment has no `transformers` command")
         return command + [
-            "serve", "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1",
+            "serve", "--continuous-batching", "--device", self.device, "--host", "127.0.0.1",
             "--port", str(self.port), "--log-level", "warning",
             "--cb-num-blocks", str(self.num_blocks),
             "--cb-max-batch-tokens", str(self.max_batch_tokens), self.model_path]

@@ -177,6 +177,41 @@ def test_bench_server_quick_run(tmp_path):
     assert (tmp_path / "bench_server.md").exists() and (tmp_path / "server.png").exists()
 
 
+def test_transformers_serve_starts_on_the_device_it_is_given():
+    from benchmarks.server_compare import TransformersServe
+
+    for device in ("cuda", "cpu"):
+        theirs = TransformersServe("/models/bundled", threads=1, clients=16, context=256,
+                                   device=device)
+        try:
+            command = theirs.command()
+        finally:
+            theirs.__exit__()                 # deletes its log; nothing was started
+        assert command[command.index("--device") + 1] == device
+    assert TransformersServe.__init__.__defaults__[0] == "cpu"
+
+
+def test_bench_server_puts_transformers_serve_on_its_own_device(monkeypatch):
+    """`--device cuda` must reach transformers serve too (it once ran on the CPU beside our
+    server on the GPU). The servers are stand-ins: the run stops where theirs is made."""
+    from benchmarks import bench_server
+
+    class Made(Exception):
+        pass
+
+    def made(*args, **kwargs):
+        raise Made(kwargs.get("device"))
+
+    monkeypatch.setattr(bench_server, "serve_in_background", lambda *a, **k: None)
+    monkeypatch.setattr(bench_server, "TransformersServe", made)
+    monkeypatch.setattr("helpers.models.load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(bench_server, "model_context", lambda model: 256)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)     # this process keeps its own
+    with pytest.raises(Made) as seen:
+        bench_server.main(["--quick", "--device", "cuda"])
+    assert str(seen.value) == "cuda"
+
+
 def test_summary_rows_of_the_server_benchmark():
     rows = []
     result = {"clients": 16, "speedup": 4.5, "single_client": {"server_over_bare_loop": 0.8},
