@@ -6,7 +6,8 @@
 #   make execute  re-run every lesson in place to refresh its committed outputs
 #   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
 #   make slides   every lesson as a reveal.js deck in slides/, one HTML file that needs no network
-#   make test-gpu every lesson on a CUDA GPU, wall times and speedups in docs/gpu-run.md
+#   make test-gpu every lesson and workbook on a CUDA GPU; the record in docs/gpu-run.md
+#                 (GPU_PYTHON: the GPU image's Python; GPU_FLAGS, e.g. "--jobs 4 --budget 540")
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
 #   make test-vllm    lesson 07's openai cells against real vLLM (its CPU build, in .venv-vllm)
 #   make bench-vllm   the course server beside real vLLM: tokens/s and TTFT at 1, 16, 64 clients
@@ -91,11 +92,17 @@ test-browser: $(STAMP)
 	sh scripts/browser_setup.sh
 	$(PY) -m pytest -p no:cacheprovider tests/browser -q
 
-# Needs an NVIDIA GPU and a CUDA build of torch (PyPI's torch wheel on Linux is one); exits
-# with status 2 and a message when there is no CUDA device. Not part of `make test`: CI has
-# no GPU. The lessons run from copies (results/gpu/), never in place.
-test-gpu: $(STAMP)
-	$(PY) scripts/run_lessons_gpu.py --report docs/gpu-run.md
+# Needs an NVIDIA GPU and a CUDA build of torch; not part of `make test` (CI has no GPU). It
+# runs on the Python that has that torch: .venv's when there is one, else python3 (a GPU
+# image's), and builds no environment: what the image lacks is in requirements-gpu.txt
+# (`python3 -m pip install --no-deps -r requirements-gpu.txt`, seconds; the script prints that
+# line and exits with status 3 when something is missing, and with status 2 without a CUDA
+# device). Notebooks run from copies (results/gpu/), never in place; the record goes to
+# docs/gpu-run.md and docs/gpu-run.json.
+GPU_PYTHON  ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_FLAGS   ?=
+test-gpu:
+	$(GPU_PYTHON) scripts/run_lessons_gpu.py $(GPU_FLAGS)
 
 $(STAMP_TF4): constraints-tf4.txt
 	@test -x $(VENV_TF4)/bin/python || $(PYTHON) -m venv $(VENV_TF4)
