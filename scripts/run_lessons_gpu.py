@@ -93,11 +93,11 @@ REQUIREMENTS = "requirements-gpu.txt"
 
 # --- 1. what must be installed ----------------------------------------------------------------
 
-def missing_packages(required=REQUIRED) -> list[str]:
-    """The pip packages of ``required`` whose module cannot be imported (for one that is
-    there but needs a module that is not, that module's name in brackets)."""
+def missing_packages(required=None) -> list[str]:
+    """The pip packages of ``required`` (default: ``REQUIRED``) whose module cannot be imported
+    (for one that is there but needs a module that is not, that module's name in brackets)."""
     missing = []
-    for module, package in required:
+    for module, package in REQUIRED if required is None else required:
         if module in HEAVY:
             if importlib.util.find_spec(module) is None:
                 missing.append(package)
