@@ -364,3 +364,33 @@ def test_a_notebook_runs_from_a_copy_and_its_failure_is_recorded(tmp_path):
     assert copy.cells[0].outputs[0]["text"].strip() == str(source.parent)
     assert copy.cells[3].outputs == []
     assert copy.metadata["course"]["gpu_run"] == record
+
+
+def test_the_server_check_is_called_and_its_failures_are_caught(tmp_path, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "benchmarks.gpu_server", None)       # not there
+    assert run_lessons_gpu.server_check(tmp_path, 10, False) == {
+        "error": "benchmarks/gpu_server.py is not in this copy of the course"}
+
+    calls = []
+
+    def run(out_dir, budget_seconds, allow_cpu=False):
+        calls.append((out_dir, budget_seconds, allow_cpu))
+        return {"lines": ["device: cpu"], "checks": {}}
+
+    module = types.ModuleType("benchmarks.gpu_server")
+    module.run = run
+    monkeypatch.setitem(sys.modules, "benchmarks.gpu_server", module)
+    assert run_lessons_gpu.server_check(tmp_path, 10, True) == {
+        "result": {"lines": ["device: cpu"], "checks": {}}}
+    assert calls == [(tmp_path, 10, True)]
+
+    def broken(out_dir, budget_seconds):                 # no allow_cpu: none is passed
+        raise RuntimeError("the GPU server check needs a CUDA device")
+
+    module.run = broken
+    failed = run_lessons_gpu.server_check(tmp_path, 10, True)
+    assert failed["error"] == ("benchmarks.gpu_server.run raised RuntimeError: the GPU server "
+                               "check needs a CUDA device")
+    assert "Traceback" in failed["traceback"]
