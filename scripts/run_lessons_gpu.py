@@ -368,10 +368,11 @@ def run_server_check(out: Path, budget: float, allow_cpu: bool, env: dict) -> di
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+        killed = ", killed 120 s past its budget" if process.returncode == -9 else ""
         record = {"error": f"the check ended without a result (status {process.returncode}"
-                           f"{', killed past its budget' if process.returncode == -9 else ''})"
-                           f"{': ' + tail[0][:200] if tail else ''}"}
+                           f"{killed})"}
+    if "error" in record:                 # what it printed before it stopped
+        record["log_tail"] = log.read_text(errors="replace").strip().splitlines()[-20:]
     record.update(seconds=seconds, budget_seconds=round(budget))
     return record
 
@@ -457,7 +458,7 @@ def collect(results: Path, lessons: Path = ROOT / "lessons") -> dict:
             topics["server"] = lines
     elif "error" in server:
         server = {"status": "failed", "error": server["error"],
-                  "seconds": server.get("seconds")}
+                  "log_tail": server.get("log_tail", []), "seconds": server.get("seconds")}
     else:
         server = {"status": "not run", "error": server.get("skipped", "")}
 
@@ -538,6 +539,8 @@ def markdown(data: dict) -> str:
                                                  server["checks"].items()) + "."]
     elif server["status"] == "failed":
         lines.append(f"The check did not run to its end: {server['error']}.")
+        if server["log_tail"]:
+            lines += ["", "Its last lines:", "", "```text", *server["log_tail"], "```"]
     else:
         lines.append(f"Not run{': ' + server['error'] if server['error'] else ''}.")
 
@@ -659,6 +662,10 @@ def main(argv: list[str]) -> int:
         budget = min(args.server_budget, runner.left())
         print(f"server check (at most {budget:.0f} s) ...", flush=True)
         run["server"] = run_server_check(out, budget, args.allow_cpu, runner.env)
+        result = run["server"].get("result")
+        said = (result.get("lines", []) if isinstance(result, dict) else []) or run[
+            "server"].get("log_tail", [])
+        print("\n".join(f"  {line}" for line in said))
         print(f"server check: {run['server'].get('error', 'done')} "
               f"({run['server']['seconds']:.0f} s)", flush=True)
     for kind, jobs in (("lessons", 1), ("workbooks", args.jobs)):

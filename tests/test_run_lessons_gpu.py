@@ -231,6 +231,11 @@ def test_a_server_check_that_failed_or_did_not_run_is_reported(tmp_path):
                                         "course", "seconds": 0.4},
                                "The check did not run to its end: benchmarks/gpu_server.py is "
                                "not in this copy of the course."),
+                              ({"error": "the check ended without a result (status -9, killed "
+                                         "120 s past its budget)",
+                                "log_tail": ["[gpu_server 9.0 s] graphed engine ready"]},
+                               "budget).\n\nIts last lines:\n\n```text\n[gpu_server 9.0 s] "
+                               "graphed engine ready\n```"),
                               ({"skipped": "--no-server"}, "Not run: --no-server.")):
         run["server"] = server
         (results / "run.json").write_text(json.dumps(run))
