@@ -189,6 +189,9 @@ def execute_copy(source: Path, target: Path, timeout: float, budget_cut: bool = 
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(source, as_version=4)
+    for cell in nb.cells:          # a cell the run does not reach must not show the saved outputs
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     client = NotebookClient(nb, timeout=max(1, math.ceil(timeout)), kernel_name="python3",
                             resources={"metadata": {"path": str(source.parent)}})
     start = time.perf_counter()
@@ -295,8 +298,8 @@ def run_notebooks(runner: Runner, kind: str, paths: list[Path], jobs: int) -> di
         key = f"{kind}/{path.name}"
         records[key] = record
         seconds = f"{record['seconds']:.1f} s, " if record.get("seconds") is not None else ""
-        print(f"{key}: {seconds}{record['status']} {record.get('detail', '')}".rstrip(),
-              flush=True)
+        detail = f": {record['detail']}" if record.get("detail") else ""
+        print(f"{key}: {seconds}{record['status']}{detail}", flush=True)
 
     while waiting or running:
         while waiting and len(running) < jobs:

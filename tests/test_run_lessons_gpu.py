@@ -348,8 +348,9 @@ def test_only_picks_notebooks_by_part_of_their_path():
 
 
 def test_a_notebook_runs_from_a_copy_and_its_failure_is_recorded(tmp_path):
-    """One real kernel: the copy is written with the outputs up to the cell that raised, the
-    source is left as it was, and the record names the cell."""
+    """One real kernel: the copy is written with the outputs up to the cell that raised (a
+    cell not reached shows none, not the saved ones), the source is left as it was, and the
+    record names the cell."""
     import nbformat
 
     source = tmp_path / "lessons" / "99_check.ipynb"
@@ -358,7 +359,8 @@ def test_a_notebook_runs_from_a_copy_and_its_failure_is_recorded(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.getcwd())"),
                 nbformat.v4.new_markdown_cell("text"),
                 nbformat.v4.new_code_cell("raise ValueError('boom')"),
-                nbformat.v4.new_code_cell("print('not reached')")]
+                nbformat.v4.new_code_cell("print('not reached')", execution_count=4, outputs=[
+                    nbformat.v4.new_output("stream", name="stdout", text="saved on a CPU\n")])]
     nbformat.write(nb, source)
     before = source.read_bytes()
     target = tmp_path / "results" / "lessons" / source.name
@@ -367,7 +369,7 @@ def test_a_notebook_runs_from_a_copy_and_its_failure_is_recorded(tmp_path):
     assert source.read_bytes() == before
     copy = nbformat.read(target, as_version=4)
     assert copy.cells[0].outputs[0]["text"].strip() == str(source.parent)
-    assert copy.cells[3].outputs == []
+    assert copy.cells[3].outputs == [] and copy.cells[3].execution_count is None   # not reached
     assert copy.metadata["course"]["gpu_run"] == record
 
 
