@@ -401,3 +401,23 @@ def test_the_server_check_is_called_and_its_failures_are_caught(tmp_path, monkey
     assert failed["error"] == ("benchmarks.gpu_server.run raised RuntimeError: the GPU server "
                                "check needs a CUDA device")
     assert "Traceback" in failed["traceback"]
+
+
+def test_workbooks_run_several_at_a_time_each_in_its_own_worker(tmp_path):
+    """Two real kernels at once (--jobs 2): each notebook gets its record and its copy."""
+    import nbformat
+
+    sources = []
+    for name, code in (("01_a.ipynb", "print(sum(range(10)))"), ("02_b.ipynb", "1 / 0")):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(code)]
+        sources.append(tmp_path / "workbooks" / name)
+        sources[-1].parent.mkdir(exist_ok=True)
+        nbformat.write(nb, sources[-1])
+    runner = run_lessons_gpu.Runner(tmp_path / "out", timeout=120, budget=None,
+                                    started=time.monotonic())
+    records = run_lessons_gpu.run_notebooks(runner, "workbooks", sources, jobs=2)
+    assert records["workbooks/01_a.ipynb"]["status"] == "ok"
+    assert records["workbooks/02_b.ipynb"]["detail"] == "cell 0: ZeroDivisionError: division by zero"
+    copy = nbformat.read(tmp_path / "out" / "workbooks" / "01_a.ipynb", as_version=4)
+    assert copy.cells[0].outputs[0]["text"] == "45\n"
