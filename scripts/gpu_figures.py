@@ -231,7 +231,7 @@ def _text(value) -> str:
 def read_notebook(path: Path) -> dict | None:
     """The notebook at ``path`` as JSON, or None if it is missing or unreadable."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 

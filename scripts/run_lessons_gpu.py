@@ -108,7 +108,8 @@ def missing_packages(required=None) -> list[str]:
             top = (exc.name or module).split(".")[0]
             missing.append(package if top == module else f"{package} (needs {top})")
         except Exception as exc:                   # there, but it breaks on import
-            missing.append(f"{package} ({type(exc).__name__}: {exc})")
+            why = (str(exc).splitlines() or [""])[0][:120]
+            missing.append(f"{package} ({type(exc).__name__}: {why})")
     return missing
 
 
@@ -132,7 +133,7 @@ def _canonical(name: str) -> str:
 def _requirements() -> set[str]:
     """The packages requirements-gpu.txt names."""
     path = ROOT / REQUIREMENTS
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     return {_canonical(line.split("==")[0]) for line in lines
             if line.strip() and not line.startswith("#")}
 
@@ -369,7 +370,7 @@ def run_server_check(out: Path, budget: float, allow_cpu: bool, env: dict) -> di
             process.wait()
     seconds = round(time.monotonic() - start, 1)
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads(record_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         killed = ", killed 120 s past its budget" if process.returncode == -9 else ""
         record = {"error": f"the check ended without a result (status {process.returncode}"
@@ -407,7 +408,7 @@ def collect(results: Path, lessons: Path = ROOT / "lessons") -> dict:
     docs/gpu-run.json."""
     run = {}
     if (results / "run.json").exists():
-        run = json.loads((results / "run.json").read_text())
+        run = json.loads((results / "run.json").read_text(encoding="utf-8"))
     records = dict(run.get("notebooks", {}))
     for kind in KINDS:                                  # copies the run.json does not list
         for copy in sorted((results / kind).glob("*.ipynb")):
@@ -573,9 +574,10 @@ def markdown(data: dict) -> str:
 def write_report(results: Path, report: Path, record: Path) -> dict:
     data = collect(results)
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(markdown(data))
+    report.write_text(markdown(data), encoding="utf-8")
     record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    # ASCII (the rest escaped): helpers.gpu_run reads it whatever the machine's encoding
+    record.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
 
@@ -622,7 +624,8 @@ def main(argv: list[str]) -> int:
     if args.server_check:
         out = Path(args.server_check)
         record = server_check(out, args.server_budget, args.allow_cpu)
-        (out / "server-check.json").write_text(json.dumps(record, indent=1, default=str))
+        (out / "server-check.json").write_text(json.dumps(record, indent=1, default=str),
+                                               encoding="utf-8")
         return 0
     if args.report_from:
         with tempfile.TemporaryDirectory() as scratch:
@@ -674,7 +677,8 @@ def main(argv: list[str]) -> int:
     for kind, jobs in (("lessons", 1), ("workbooks", args.jobs)):
         run["notebooks"].update(run_notebooks(runner, kind, notebooks(kind, args.only), jobs))
     run["wall_seconds"] = round(time.monotonic() - started, 1)
-    (out / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n")
+    (out / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n",
+                                encoding="utf-8")
 
     data = write_report(out, Path(args.report), Path(args.json))
     if args.archive:

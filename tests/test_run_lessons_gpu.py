@@ -190,7 +190,8 @@ def test_the_report_and_its_json_from_a_made_up_gpu_run(tmp_path):
     results = _fake_run(tmp_path / "gpu")
     report, record = tmp_path / "gpu-run.md", tmp_path / "gpu-run.json"
     run_lessons_gpu.write_report(results, report, record)
-    text, data = report.read_text(), json.loads(record.read_text())
+    text, data = report.read_text(encoding="utf-8"), json.loads(record.read_text())
+    assert record.read_bytes().isascii()        # gpu_record reads it in any locale
 
     assert "- device: NVIDIA H200 (139 GiB)" in text and "torch 2.11.0+cu130" in text
     assert "peft 0.18.0" in text and "Not a GPU run" not in text
