@@ -638,9 +638,6 @@ def main(argv: list[str]) -> int:
     if missing:
         print(install_hint(missing))
         return 3
-    absent = [package for module, package in OPTIONAL if importlib.util.find_spec(module) is None]
-    if absent:
-        print(f"note: {', '.join(absent)} is not installed; lesson 04 skips its library path")
     machine = describe_machine()
     if machine["cpu_only"] and not args.allow_cpu:
         import torch
@@ -651,6 +648,9 @@ def main(argv: list[str]) -> int:
               "this script.)", file=sys.stderr)
         return 2
     print(f"device: {machine['device']}", flush=True)
+    absent = [package for module, package in OPTIONAL if importlib.util.find_spec(module) is None]
+    if absent:
+        print(f"note: {', '.join(absent)} is not installed; lesson 04 skips its library path")
 
     started = time.monotonic()
     out = Path(args.out)
