@@ -6,6 +6,7 @@ and helpers.gpu_record reads the JSON the script writes. No GPU is needed: nothi
 anything."""
 
 import json
+import re
 import sys
 import tarfile
 import time
@@ -31,7 +32,7 @@ def _committed(number):
 # --- the figure table against the committed lessons ------------------------------------------
 
 @pytest.mark.parametrize("figure", gpu_figures.FIGURES,
-                         ids=lambda f: f"{f.lesson}-{f.label[:40]}")
+                         ids=lambda f: f.lesson + "-" + re.sub(r"[^A-Za-z0-9]+", "-", f.label)[:40])
 def test_every_figure_is_printed_by_exactly_one_cell_of_its_committed_lesson(figure):
     nb = _committed(figure.lesson)
     assert len(gpu_figures.cells_with(nb, figure.marker)) == 1, (
@@ -127,6 +128,23 @@ def test_the_gpu_only_launch_count_and_the_graph_table_read_a_gpu_output():
     assert gpu_figures.read_figure(nb, graphs) == "5.00x (3.40 → 0.68 ms)"
     missing_row = _figure("CUDA graph: eager → compiled and replayed, batch 1")
     assert gpu_figures.read_figure(nb, missing_row) == gpu_figures.NOT_FOUND
+
+
+def test_lesson_01s_step_growth_and_lesson_02s_bounds_read_a_gpu_output():
+    growth = _figure("decode step without the cache, start → after 200 tokens")
+    nb = {"cells": [_code_cell(growth.marker,
+                               "no cache: a decode step took   2.90 ms at the start and   2.95 ms "
+                               "after 200 tokens (x1.0)\nKV cache: a decode step took   2.20 ms at "
+                               "the start and   2.21 ms after 200 tokens (x1.0)\n")]}
+    assert gpu_figures.read_figure(nb, growth) == "x1.0 (2.90 → 2.95 ms)"
+    bound = _figure("what bounds the step, batch 1 / batch 128")
+    nb = {"cells": [_code_cell(bound.marker,
+                               "batch   1: the measured decode step (TPOT) 2.90 ms; the three costs: "
+                               "reading 0.00 ms, arithmetic 0.00 ms, overhead 2.80 ms: bound by "
+                               "overhead\nbatch 128: the measured decode step (TPOT) 3.10 ms; the "
+                               "three costs: reading 0.00 ms, arithmetic 0.01 ms, overhead 2.80 ms: "
+                               "bound by overhead\n")]}
+    assert gpu_figures.read_figure(nb, bound) == "overhead / overhead"
 
 
 # --- the report, from a made-up GPU run ------------------------------------------------------
