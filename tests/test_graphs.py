@@ -5,7 +5,7 @@ without CUDA, and that nothing is compiled or captured after start-up, with toke
 01 gives them. A CPU has no CUDA graph: ``rerun_each_replay`` stands in for the capture (each
 replay runs the captured function again on the same buffers), so everything around the
 graphs runs as it would on a GPU. The capture itself is checked on a GPU
-(``scripts/gpu_check.py``, ``make test-gpu``).
+(``benchmarks/gpu_server.py``, part of ``make test-gpu``).
 """
 
 from __future__ import annotations
