@@ -25,7 +25,7 @@ rank processes import only torch and safetensors, so that they start quickly.
 """
 
 from .comm import (CommCounts, Communicator, DistributedCommunicator, GroupBroken,
-                   ThreadCommunicator, ThreadGroup)
+                   LeftWaiting, ThreadCommunicator, ThreadGroup)
 from .cost import (H100_SXM, LINKS, LLAMA2_70B_SHAPE, Device, Link, ModelShape, StepEstimate,
                    allreduce_seconds, tp_decode_step)
 from .decode import Decoded, greedy_decode
@@ -36,7 +36,7 @@ from .plan import (GPT2_PLAN, SplitWeight, allreduce_bytes_per_step, check_world
                    gpt2_plan, mlp_width, split_columns, split_qkv, split_rows, vocab_range,
                    weight_bytes_per_rank)
 from .processes import RankDied, RankGroup, choose_backend, start_ranks, stop_all
-from .simulated import SimulatedTP
+from .simulated import SimulatedTP, run_in_threads
 
 _FIGURES = ("cost_figure", "pipeline_figure", "step_time_figure")
 
@@ -46,14 +46,14 @@ __all__ = [
     "mlp_width", "split_columns", "split_qkv", "split_rows", "vocab_range",
     "weight_bytes_per_rank",
     # comm
-    "CommCounts", "Communicator", "DistributedCommunicator", "GroupBroken",
+    "CommCounts", "Communicator", "DistributedCommunicator", "GroupBroken", "LeftWaiting",
     "ThreadCommunicator", "ThreadGroup",
     # model, decode
     "KVCache", "RowParallelConv1D", "ShardedAttention", "ShardedGPT2", "ShardedMLP",
     "embed_vocab_shard", "load_shard", "shard_model", "vocab_shard", "weight_bytes",
     "Decoded", "greedy_decode",
     # ranks in threads, ranks in processes
-    "SimulatedTP", "RankDied", "RankGroup", "choose_backend", "start_ranks", "stop_all",
+    "SimulatedTP", "run_in_threads", "RankDied", "RankGroup", "choose_backend", "start_ranks", "stop_all",
     # pipeline, cost model, figures
     "PipelineRun", "StageLink", "pipeline_generate", "stage_blocks",
     "H100_SXM", "LINKS", "LLAMA2_70B_SHAPE", "Device", "Link", "ModelShape", "StepEstimate",

@@ -72,7 +72,11 @@ class Communicator:
 
 
 class GroupBroken(RuntimeError):
-    """A rank of a ``ThreadGroup`` waited for another that will never come. (Lesson 11.)"""
+    """The ranks of a ``ThreadGroup`` did not make the same all-reduces. (Lesson 11.)"""
+
+
+class LeftWaiting(GroupBroken):
+    """A rank waited in an all-reduce for another rank that will never come. (Lesson 11.)"""
 
 
 class ThreadGroup:
@@ -112,10 +116,10 @@ class ThreadGroup:
             self._left[rank] = why
             self._cond.notify_all()
 
-    def _broken(self, rank: int) -> GroupBroken:
+    def _broken(self, rank: int) -> LeftWaiting:
         gone = ", ".join(f"rank {r} {why} after {self._calls[r]} all-reduces"
                          for r, why in sorted(self._left.items()))
-        return GroupBroken(f"rank {rank} waits in all-reduce number {self._calls[rank] + 1}, "
+        return LeftWaiting(f"rank {rank} waits in all-reduce number {self._calls[rank] + 1}, "
                            f"but {gone}: every rank must call all_reduce the same number of "
                            f"times, in the same order")
 

@@ -13,10 +13,43 @@ import threading
 
 import torch
 
-from .comm import GroupBroken, ThreadGroup
+from .comm import LeftWaiting, ThreadGroup
 from .decode import Decoded, greedy_decode
 from .model import ShardedMLP, shard_model, weight_bytes
-from .plan import split_qkv
+from .plan import check_world_size, split_qkv
+
+
+def run_in_threads(group: ThreadGroup, fn, comms: list | None = None) -> list:
+    """``fn(rank, comm)`` for every rank of ``group`` at once, one thread each, with the
+    rank's communicator (``comms[rank]``, new ones when not given); the results in rank
+    order. If a rank raises, the ranks
+    waiting for it stop too, and its exception is raised here (the first rank's whose error is
+    not only that it was left waiting). (Lesson 11.)"""
+    group.start()
+    comms = comms or [group.communicator(rank) for rank in range(group.world_size)]
+    results, errors = [None] * group.world_size, [None] * group.world_size
+
+    def one(rank):
+        why = "finished"
+        try:
+            with torch.no_grad():                # (grad mode is per thread)
+                results[rank] = fn(rank, comms[rank])
+        except BaseException as error:           # noqa: BLE001  handed to the caller below
+            errors[rank], why = error, f"raised {type(error).__name__}"
+        finally:
+            group.leave(rank, why)
+
+    threads = [threading.Thread(target=one, args=(rank,), name=f"rank {rank}", daemon=True)
+               for rank in range(group.world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    raised = [e for e in errors if e is not None]
+    if raised:
+        causes = [e for e in raised if not isinstance(e, LeftWaiting)]
+        raise (causes or raised)[0]
+    return results
 
 
 class SimulatedTP:
@@ -32,6 +65,7 @@ class SimulatedTP:
 
     def __init__(self, model, world_size: int, *, split_qkv=split_qkv, mlp_class=ShardedMLP,
                  timeout: float = 60.0):
+        check_world_size(model.config, world_size)
         self.world_size = world_size
         self.group = ThreadGroup(world_size, timeout=timeout)
         self.comms = [self.group.communicator(rank) for rank in range(world_size)]
@@ -41,32 +75,9 @@ class SimulatedTP:
 
     def run(self, fn) -> list:
         """``fn(rank, model, comm)`` on every rank at once, one thread each; the results in
-        rank order. If a rank raises, the ranks waiting for it stop too, and its exception is
-        raised here (the first rank's whose error is not only that it was left waiting)."""
-        self.group.start()
-        results, errors = [None] * self.world_size, [None] * self.world_size
-
-        def one(rank):
-            why = "finished"
-            try:
-                with torch.no_grad():            # (grad mode is per thread)
-                    results[rank] = fn(rank, self.ranks[rank], self.comms[rank])
-            except BaseException as error:       # noqa: BLE001  handed to the caller below
-                errors[rank], why = error, f"raised {type(error).__name__}"
-            finally:
-                self.group.leave(rank, why)
-
-        threads = [threading.Thread(target=one, args=(rank,), name=f"rank {rank}", daemon=True)
-                   for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        raised = [e for e in errors if e is not None]
-        if raised:
-            causes = [e for e in raised if not isinstance(e, GroupBroken)]
-            raise (causes or raised)[0]
-        return results
+        rank order (see ``run_in_threads``)."""
+        return run_in_threads(self.group, lambda rank, comm: fn(rank, self.ranks[rank], comm),
+                              self.comms)
 
     def generate(self, input_ids: torch.Tensor, new_tokens: int) -> Decoded:
         """Every rank's greedy loop on ``input_ids`` ``(batch, length)``; rank 0's result.
