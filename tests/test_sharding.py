@@ -15,7 +15,7 @@ from helpers.models import BUNDLED_MODEL_DIR
 from helpers.sharding import (LLAMA2_70B_SHAPE, LINKS, CommCounts, GroupBroken, RankDied,
                               SimulatedTP, ThreadGroup, allreduce_bytes_per_step,
                               allreduce_seconds, check_world_size, embed_vocab_shard, gpt2_plan,
-                              load_shard, pipeline_generate, run_in_threads, shard_model,
+                              load_shard, pipeline_generate, pipeline_schedule, run_in_threads, shard_model,
                               split_columns, split_qkv, split_rows, stage_blocks, start_ranks,
                               tp_decode_step, vocab_shard, weight_bytes, weight_bytes_per_rank)
 from tests.conftest import COURSE_PROMPTS
@@ -388,3 +388,13 @@ def test_killing_the_notebook_kernel_stops_its_ranks():
         client.stop_channels()
         if manager.is_alive():
             manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("stages, micro_batches, idle", [(2, 1, 0.5), (4, 1, 0.75),
+                                                         (4, 2, 33 / 65), (2, 2, 1 / 33)])
+def test_the_pipeline_schedule_shows_the_bubble(stages, micro_batches, idle):
+    schedule = pipeline_schedule(stages, micro_batches, 16)
+    assert schedule.idle_share() == pytest.approx(idle)
+    for stage in schedule.busy:                       # one piece at a time on each stage
+        assert all(a[1] <= b[0] for a, b in zip(stage, stage[1:]))
+    assert len(schedule.busy[0]) == micro_batches * 16

@@ -31,7 +31,8 @@ from .cost import (H100_SXM, LINKS, LLAMA2_70B_SHAPE, Device, Link, ModelShape, 
 from .decode import Decoded, greedy_decode
 from .model import (KVCache, RowParallelConv1D, ShardedAttention, ShardedGPT2, ShardedMLP,
                     embed_vocab_shard, load_shard, shard_model, vocab_shard, weight_bytes)
-from .pipeline import PipelineRun, StageLink, pipeline_generate, stage_blocks
+from .pipeline import (PipelineRun, PipelineSchedule, StageLink, pipeline_generate,
+                       pipeline_schedule, stage_blocks)
 from .plan import (GPT2_PLAN, SplitWeight, allreduce_bytes_per_step, check_world_size,
                    gpt2_plan, mlp_width, split_columns, split_qkv, split_rows, vocab_range,
                    weight_bytes_per_rank)
@@ -55,7 +56,8 @@ __all__ = [
     # ranks in threads, ranks in processes
     "SimulatedTP", "run_in_threads", "RankDied", "RankGroup", "choose_backend", "start_ranks", "stop_all",
     # pipeline, cost model, figures
-    "PipelineRun", "StageLink", "pipeline_generate", "stage_blocks",
+    "PipelineRun", "PipelineSchedule", "StageLink", "pipeline_generate", "pipeline_schedule",
+    "stage_blocks",
     "H100_SXM", "LINKS", "LLAMA2_70B_SHAPE", "Device", "Link", "ModelShape", "StepEstimate",
     "allreduce_seconds", "tp_decode_step", *_FIGURES,
 ]

@@ -45,23 +45,25 @@ def step_time_figure(steps: dict, title: str | None = None):
     return fig
 
 
-def pipeline_figure(runs: dict, title: str | None = None):
+def pipeline_figure(runs: dict, title: str | None = None, unit: str = "time units"):
     """When each pipeline stage worked, one row per stage, coloured by micro-batch; one panel
-    per run. ``runs`` maps a label to a ``PipelineRun``. (Lesson 11.)"""
+    per run. ``runs`` maps a label to a ``PipelineSchedule`` (times in units of one stage's
+    work, ``unit``) or a ``PipelineRun`` (seconds: give ``unit="ms"``). (Lesson 11.)"""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 1.3 + 1.2 * len(runs)), dpi=90, layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
     for ax, (label, run) in zip(axes, runs.items()):
+        scale = 1e3 if unit == "ms" else 1
         for s, stage in enumerate(run.busy):
             for start, stop, m in stage:
-                ax.barh(s, (stop - start) * 1e3, left=start * 1e3, height=0.6,
-                        color=PALETTE[m % len(PALETTE)])
+                ax.barh(s, (stop - start) * scale, left=start * scale, height=0.6,
+                        color=PALETTE[m % len(PALETTE)], edgecolor="white", linewidth=0.5)
         ax.set_yticks(range(len(run.busy)), [f"stage {s}" for s in range(len(run.busy))])
         ax.invert_yaxis()
-        ax.set_xlim(0, run.seconds * 1e3)
+        ax.set_xlim(0, run.span * scale)
         ax.set_title(f"{label}: stages idle {run.idle_share():.0%} of the time", fontsize=10)
-    axes[-1].set_xlabel("milliseconds (a colour per micro-batch)")
+    axes[-1].set_xlabel(f"{unit} (a colour per micro-batch)")
     if title:
         fig.suptitle(title)
     return fig

@@ -313,6 +313,22 @@ class _Slices:
         return tensor
 
 
+def model_folder(name) -> Path:
+    """The local folder of a model: ``name`` itself when it is a folder, else the hub id's
+    files already in the local cache (config and safetensors; nothing is downloaded).
+    (Lesson 11.)"""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=["*.json", "*.safetensors"],
+                                      local_files_only=True))
+    except Exception as error:
+        raise ValueError(f"{name!r} is neither a folder nor a model in the local cache: "
+                         f"{error}") from None
+
+
 def _checkpoint_file(folder: Path) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     if len(files) != 1:
@@ -347,11 +363,12 @@ def _read_config(folder: Path) -> _Config:
 def load_shard(path, rank: int, world_size: int, comm: Communicator, device="cpu",
                dtype: torch.dtype | None = None) -> tuple[ShardedGPT2, int]:
     """Rank ``rank``'s share of the GPT-2 model saved in the folder ``path`` (its
-    ``config.json`` and one ``.safetensors`` file), read slice by slice: only this rank's
+    ``config.json`` and one ``.safetensors`` file; or a hub id already in the local cache),
+    read slice by slice: only this rank's
     columns and rows of the split layers, and the layers every rank keeps whole. Returns
     ``(model, bytes_read)``; the model equals ``shard_model`` of the whole model.
     (Lesson 11.)"""
-    folder = Path(path)
+    folder = model_folder(path)
     config = _read_config(folder)
     if config.model_type != "gpt2":
         raise ValueError(f"the split plan is written for GPT-2 models; {folder} holds a "

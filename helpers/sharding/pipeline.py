@@ -64,10 +64,52 @@ class PipelineRun:
     back_bytes: int = 0
     seconds: float = 0.0
 
+    @property
+    def span(self) -> float:
+        return self.seconds
+
     def idle_share(self) -> float:
         """The share of the stages' time spent waiting: the bubble."""
         worked = sum(stop - start for stage in self.busy for start, stop, _ in stage)
-        return 1 - worked / (len(self.busy) * self.seconds)
+        return 1 - worked / (len(self.busy) * self.span)
+
+
+@dataclass
+class PipelineSchedule:
+    """When each stage would work if every stage had a device of its own and each piece of
+    work took one unit of time (``pipeline_schedule``): ``busy[s]`` as ``(start, stop,
+    micro_batch)`` in units, ``span`` the units in all. (Lesson 11.)"""
+
+    busy: list
+    span: float
+
+    def idle_share(self) -> float:
+        worked = sum(stop - start for stage in self.busy for start, stop, _ in stage)
+        return 1 - worked / (len(self.busy) * self.span)
+
+
+def pipeline_schedule(stages: int, micro_batches: int, steps: int) -> PipelineSchedule:
+    """The schedule of ``pipeline_generate``'s work on ideal devices: stage s works on
+    micro-batch m's step t once stage s - 1 has (stage 0: once the last stage has picked m's
+    token of step t - 1) and once it is done with its previous piece, in the order the run
+    takes them; each piece takes one unit. (Lesson 11.)"""
+    for name, value in (("stages", stages), ("micro_batches", micro_batches), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    done: dict = {}                               # (stage, micro-batch, step) -> when it ends
+    free = [0.0] * stages                         # when each stage is free again
+    busy: list = [[] for _ in range(stages)]
+    for t in range(steps):
+        for m in range(micro_batches):
+            for s in range(stages):
+                if s > 0:
+                    ready = done[s - 1, m, t]
+                else:
+                    ready = done[stages - 1, m, t - 1] if t > 0 else 0.0
+                start = max(ready, free[s])
+                done[s, m, t] = free[s] = start + 1
+                busy[s].append((start, start + 1, m))
+    return PipelineSchedule(busy, max(free))
 
 
 def stage_blocks(n_blocks: int, stages: int) -> list[range]:

@@ -284,7 +284,8 @@ def start_ranks(world_size: int = 2, *, backend: str = "auto", model=None, threa
     joined the group and loaded its slices of the model. (Lesson 11.)
 
     backend: "gloo" (CPU), "nccl" (a CUDA GPU per rank) or "auto" (``choose_backend``).
-    model:   a checkpoint folder; None is the bundled model (or $COURSE_MODEL). GPT-2 only.
+    model:   a checkpoint folder or a hub id in the local cache (GPT-2 only); None is the
+             bundled model (or $COURSE_MODEL).
     threads: torch threads per rank.
     name:    a group started under a name replaces the one started before under that name.
     timeout: seconds to wait for the ranks to start, and for any one answer.
@@ -292,10 +293,15 @@ def start_ranks(world_size: int = 2, *, backend: str = "auto", model=None, threa
     starts); ``RankDied`` or ``TimeoutError`` if a rank does not come up.
     """
     from ..models import resolve_model_name
-    from .model import _read_config
+    from .model import _read_config, model_folder
     from .plan import check_world_size
 
-    check_world_size(_read_config(Path(resolve_model_name(model))), world_size)
+    model = model_folder(resolve_model_name(model))
+    config = _read_config(model)
+    if config.model_type != "gpt2":
+        raise ValueError(f"the split plan is written for GPT-2 models; {model} holds a "
+                         f"{config.model_type!r} model")
+    check_world_size(config, world_size)
     if backend == "auto":
         backend = choose_backend(world_size)
     if backend not in ("gloo", "nccl"):
