@@ -334,12 +334,12 @@ def test_processes_hold_and_read_exactly_their_share(two_ranks):
 
 
 def test_two_sharded_models_at_once_and_a_rank_that_dies(bundled, two_ranks):
-    """A second group runs beside the first (its own store, on its own free port); then one of
+    """A second group runs beside the first (its own store file, no port to share); then one of
     its ranks is killed: the next call fails within seconds naming it, and no process stays."""
     model, tokenizer = bundled
     other = start_ranks(2, backend="gloo", name="tests-other")
     try:
-        assert other.port != two_ranks.port
+        assert other.store != two_ranks.store
         for group in (two_ranks, other):
             run = group.generate(ids_of(tokenizer, "Humpty Dumpty sat"), 12)
             assert run.tokens[0] == lesson01_tokens(model, tokenizer, "Humpty Dumpty sat", 12)

@@ -10,11 +10,13 @@ stopping them. (Lesson 11.)
     with start_ranks(2) as group:                  # or for one block of code
         ...
 
-``start_ranks`` opens a ``torch.distributed`` store on a free port of this machine (the
-operating system picks it, so two groups, or two notebooks, never fight over a port), then
-starts one ``python -m helpers.sharding.worker`` per rank; each joins the process group
-through that store and loads its slices of the model. The notebook is not a rank: it sends
-every rank the same command and collects their answers.
+``start_ranks`` starts one ``python -m helpers.sharding.worker`` per rank. The ranks meet at a
+``torch.distributed`` store that is a file in a fresh temporary folder (as vLLM's workers on
+one machine do), so there is no port to agree on: two groups, or two notebooks, never fight
+over a fixed port, and the connections gloo then opens between the ranks take ports the
+operating system picks, on the loopback interface (nothing listens on the network). Each rank
+joins the process group and loads its slices of the model. The notebook is not a rank: it
+sends every rank the same command and collects their answers.
 
 What can go wrong, and what this module does about it:
 
@@ -43,7 +45,6 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,6 +55,8 @@ from .decode import Decoded
 _RUNNING: dict[str, "RankGroup"] = {}
 _LOCK = threading.Lock()
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the folder that holds helpers/
+#: The loopback interface's name, where gloo is told to use it (elsewhere it picks one itself).
+_LOOPBACK = {"linux": "lo", "darwin": "lo0"}
 
 
 class RankDied(RuntimeError):
@@ -83,7 +86,7 @@ def _exit_reason(code: int) -> str:
 class RankGroup:
     """The rank processes of one tensor-parallel model (made by ``start_ranks``). (Lesson 11.)
 
-    ``world_size``, ``backend``, ``pids`` (one a rank), ``port`` (of the store they met at),
+    ``world_size``, ``backend``, ``pids`` (one a rank), ``store`` (the file they met at),
     ``ready`` (what each rank said when it was ready: its weights' bytes, the bytes it read
     from the checkpoint, its memory, its start-up seconds). Methods: ``generate``,
     ``allreduce_seconds``, ``memory``, ``stop``; ``with group:`` stops it at the end.
@@ -91,15 +94,10 @@ class RankGroup:
 
     def __init__(self, name: str, world_size: int, backend: str, model, threads: int,
                  timeout: float):
-        import torch.distributed as dist
-
         self.name, self.world_size, self.backend = name, world_size, backend
         self.timeout = timeout
         self.workdir = Path(tempfile.mkdtemp(prefix="helpers-ranks-"))
-        # The store the ranks meet at: port 0 lets the operating system pick a free port.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout))
-        self.port = self.store.port
+        self.store = self.workdir / "store"       # the ranks' meeting point: a file, no port
         self._answers: queue.Queue = queue.Queue()
         self.processes: list[subprocess.Popen] = []
         self.ready: list[dict] = []
@@ -107,9 +105,11 @@ class RankGroup:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(_PACKAGE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        if sys.platform in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = _LOOPBACK[sys.platform]   # gloo stays on this machine
         for rank in range(world_size):
             command = [sys.executable, "-m", "helpers.sharding.worker", "--rank", str(rank),
-                       "--world-size", str(world_size), "--store-port", str(self.port),
+                       "--world-size", str(world_size), "--store", str(self.store),
                        "--backend", backend, "--threads", str(threads),
                        "--timeout", str(timeout)]
             if model is not None:

@@ -1,10 +1,10 @@
 """One rank of a tensor-parallel model, as a process of its own. (Lesson 11.)
 
-    python -m helpers.sharding.worker --rank 0 --world-size 2 --store-port 41234
+    python -m helpers.sharding.worker --rank 0 --world-size 2 --store /tmp/helpers-ranks-x/store
 
 ``helpers.sharding.processes.start_ranks`` starts one of these per rank; nobody needs to start
 one by hand. The rank joins the process group (``torch.distributed`` with gloo on a CPU, NCCL
-on a GPU of its own) through the store its parent opened, reads only its own slices of the
+on a GPU of its own) through the store file its parent named, reads only its own slices of the
 model from the checkpoint (``load_shard``), says it is ready, and then answers commands.
 
 The conversation with the parent is one JSON object a line: commands on standard input,
@@ -56,8 +56,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="one rank of a tensor-parallel model")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--store-host", default="127.0.0.1")
-    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--store", required=True, help="the store file the ranks meet at")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--model", default=None, help="folder of the checkpoint (bundled)")
     parser.add_argument("--threads", type=int, default=1)
@@ -86,8 +85,7 @@ def main(argv=None) -> None:
     device = torch.device(f"cuda:{args.rank}" if args.backend == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(args.store_host, args.store_port, is_master=False,
-                          timeout=timedelta(seconds=args.timeout))
+    store = dist.FileStore(args.store, args.world_size)
     dist.init_process_group(args.backend, store=store, rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
     comm = DistributedCommunicator()
