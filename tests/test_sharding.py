@@ -15,7 +15,8 @@ from helpers.models import BUNDLED_MODEL_DIR
 from helpers.sharding import (LLAMA2_70B_SHAPE, LINKS, CommCounts, GroupBroken, RankDied,
                               SimulatedTP, ThreadGroup, allreduce_bytes_per_step,
                               allreduce_seconds, check_world_size, embed_vocab_shard, gpt2_plan,
-                              load_shard, pipeline_generate, pipeline_schedule, run_in_threads, shard_model,
+                              load_shard, pipeline_generate, pipeline_schedule, run_in_threads,
+                              shard_model,
                               split_columns, split_qkv, split_rows, stage_blocks, start_ranks,
                               tp_decode_step, vocab_shard, weight_bytes, weight_bytes_per_rank)
 from tests.conftest import COURSE_PROMPTS

@@ -54,7 +54,8 @@ __all__ = [
     "embed_vocab_shard", "load_shard", "shard_model", "vocab_shard", "weight_bytes",
     "Decoded", "greedy_decode",
     # ranks in threads, ranks in processes
-    "SimulatedTP", "run_in_threads", "RankDied", "RankGroup", "choose_backend", "start_ranks", "stop_all",
+    "SimulatedTP", "run_in_threads", "RankDied", "RankGroup", "choose_backend", "start_ranks",
+    "stop_all",
     # pipeline, cost model, figures
     "PipelineRun", "PipelineSchedule", "StageLink", "pipeline_generate", "pipeline_schedule",
     "stage_blocks",

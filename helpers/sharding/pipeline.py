@@ -133,7 +133,7 @@ def pipeline_generate(model: ShardedGPT2, micro_batches: list, new_tokens: int,
     if not micro_batches:
         raise ValueError("give at least one micro-batch")
     parts = stage_blocks(len(model.h), stages)
-    links = [StageLink() for _ in range(stages)]        # links[s]: stage s -> s + 1; last: back to 0
+    links = [StageLink() for _ in range(stages)]   # links[s]: stage s -> s + 1; the last: to 0
     run = PipelineRun(tokens=[[] for _ in micro_batches], busy=[[] for _ in range(stages)])
     errors: list = []
     start = time.perf_counter()
