@@ -399,3 +399,14 @@ def test_the_pipeline_schedule_shows_the_bubble(stages, micro_batches, idle):
     for stage in schedule.busy:                       # one piece at a time on each stage
         assert all(a[1] <= b[0] for a, b in zip(stage, stage[1:]))
     assert len(schedule.busy[0]) == micro_batches * 16
+
+
+def test_a_runs_fastest_step_and_its_all_reduces():
+    from helpers.sharding import Decoded
+    run = Decoded([[1, 2, 3]], [0.5, 0.03, 0.01, 0.02],
+                  [CommCounts(8, 10, 0.1), CommCounts(8, 10, 0.02), CommCounts(8, 10, 0.004),
+                   CommCounts(8, 10, 0.01)])
+    assert run.fastest_step() == (0.01, 0.004)             # the prefill (step 0) left out
+    assert run.median_step() == 0.02
+    with pytest.raises(ValueError, match="at least 2 new tokens"):
+        Decoded([[1]], [0.5], [CommCounts()]).fastest_step()
