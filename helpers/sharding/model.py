@@ -1,7 +1,7 @@
 """One rank's share of a GPT-2 model, and the forward pass a rank runs. (Lesson 11.)
 
-A rank's model, ``ShardedGPT2``, is GPT-2 written out in plain PyTorch, about as long as this
-docstring, so that every all-reduce is in sight. It holds what the plan gives the rank
+A rank's model, ``ShardedGPT2``, is GPT-2 written out in plain PyTorch (the classes below, a
+page or two), so that every all-reduce is in sight. It holds what the plan gives the rank
 (``helpers.sharding.plan``): the embeddings, layer norms and output layer whole, and in each
 block
 
