@@ -17,8 +17,9 @@ checks every import in the package against it, imports inside functions included
     5. paged, speculative            the paged KV cache (lesson 08), on top of lesson 03's batches;
                                      speculative decoding (lesson 09)
     6. corpus, plots                 the story world's text, the lessons' figures
-    7. compilation                   the compiled decode step and its measurements (lesson 10),
-                                     on the static cache of transformers, with its figures
+    7. compilation, sharding         the compiled decode step and its measurements (lesson 10),
+                                     on the static cache of transformers, with its figures;
+                                     one model split across ranks (lesson 11)
     8. widgets, checks               notebook display: live plots, controls, diagrams; the
                                      learners' checks of the lessons' exercises
     9. server                        lesson 07's server, built on the layers below
@@ -55,6 +56,8 @@ _EXPORTS = {
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
     "server": ["serve_in_background"],
+    "sharding": ["RankDied", "ShardedMLP", "SimulatedTP", "check_world_size", "load_shard",
+        "shard_model", "split_qkv", "start_ranks", "tp_decode_step"],
     "widgets": ["LivePlot", "rerun_controls", "show_diagram", "show_figure"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -91,6 +94,9 @@ __all__ = [
     # lesson 10: compilation (helpers.compilation holds the rest)
     "CAPTURE_SIZES", "CountingBackend", "generate_static_cache", "mark_batch_dynamic",
     "time_decode",
+    # lesson 11: sharding (helpers.sharding holds the rest)
+    "RankDied", "ShardedMLP", "SimulatedTP", "check_world_size", "load_shard", "shard_model",
+    "split_qkv", "start_ranks", "tp_decode_step",
 ]
 
 

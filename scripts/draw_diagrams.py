@@ -568,6 +568,59 @@ def compilation():
 
 
 @diagram
+def tensor_parallel():
+    """Lesson 11: one GPT-2 block on two ranks. c_attn and c_fc are split by columns (c_attn
+    per part, queries, keys and values each by heads), c_proj by rows; one all-reduce ends each
+    pair, and the bias of a row split is added once, after it."""
+    fig, ax = canvas(11.5, 6.4)
+    ax.text(0.2, 6.1, "Conv1D computes x @ W with W stored (in, out): a column split cuts "
+            "dimension 1, a row split dimension 0", fontsize=10.5, weight="bold")
+    # c_attn's columns: [queries | keys | values], each part cut by heads
+    ax.text(0.3, 5.55, "c_attn (256, 768) = [ queries | keys | values ], 4 heads each:",
+            fontsize=9.5)
+    for part, name in enumerate(("Q", "K", "V")):
+        for head in range(4):
+            rank = 0 if head < 2 else 1
+            x = 0.3 + part * 2.45 + head * 0.58
+            box(ax, x, 4.8, 0.52, 0.5, f"{name}{head}", (BLUE, ORANGE)[rank], fill=0.3, size=8)
+    ax.text(7.75, 5.05, "rank 0 keeps Q0 Q1, K0 K1, V0 V1;\nrank 1 keeps Q2 Q3, K2 K3, V2 V3\n"
+            "(cutting the 768 columns in two halves\nwould give rank 0 all of Q and half of K)",
+            fontsize=8.5, va="center", color="#333333")
+    # the two ranks' paths through a block
+    for rank, (y, colour) in enumerate(((3.3, BLUE), (1.5, ORANGE))):
+        ax.text(0.2, y + 0.95, f"rank {rank}", fontsize=10, weight="bold", color=colour)
+        steps = [("x (whole)", GREY, 1.05), ("c_attn: its\nheads' Q K V", colour, 1.25),
+                 ("attention\n(its 2 heads)", colour, 1.2), ("c_proj:\nits rows", colour, 1.0),
+                 ("", None, 1.2),
+                 ("c_fc: its\ncolumns", colour, 1.0), ("GELU", colour, 0.7),
+                 ("c_proj:\nits rows", colour, 1.0)]
+        x = 0.3
+        for text, c, w in steps:
+            if c is not None:
+                box(ax, x, y, w, 0.75, text, c, fill=0.2 if c != GREY else 0.1, size=8)
+                arrow(ax, x + w, y + 0.375, x + w + 0.12, y + 0.375, lw=0.9)
+            x += w + 0.15
+    # the all-reduces, each after the two ranks' row splits; the first one's sum goes on to
+    # both ranks' MLPs, the second one's to the next block
+    for x in (5.45, 9.95):
+        box(ax, x, 2.3, 0.95, 1.25, "all-reduce\n+ bias once", GREEN, fill=0.3, size=8)
+        arrow(ax, x - 0.05, 3.675, x + 0.1, 3.55, color=GREEN)
+        arrow(ax, x - 0.05, 1.875, x + 0.1, 2.3, color=GREEN)
+    arrow(ax, 6.4, 3.2, 6.75, 3.55, color=GREEN)
+    arrow(ax, 6.4, 2.5, 6.75, 2.2, color=GREEN)
+    ax.text(10.42, 2.1, "to the\nnext block", ha="center", va="top", fontsize=8,
+            color="#333333")
+    ax.text(0.3, 0.95, "Everything between a column split and its row split stays on its rank: "
+            "no communication inside attention or inside the MLP.", fontsize=8.5,
+            color="#333333")
+    ax.text(0.3, 0.6, "Two all-reduces a block, each of one hidden vector per token; the sum "
+            "of the partial products is the whole product, the same on every rank.",
+            fontsize=8.5, color="#333333")
+    ax.text(0.3, 0.25, "Embeddings, layer norms and the output layer stay whole on every rank, "
+            "so every rank picks the same next token.", fontsize=8.5, color="#333333")
+    return fig
+
+@diagram
 def course_map():
     """README: which lesson builds on which, and the three paths through the course."""
     fig, ax = canvas(13, 5.6)
@@ -583,22 +636,27 @@ def course_map():
         "08": (0.2, 0.3, "08 Paged KV cache", PINK),
         "07": (4.3, 0.3, "07 Serving", BLUE),
         "10": (10.5, 3.1, "10 Compilation", PINK),
+        "11": (10.5, 4.5, "11 Sharding", PINK),
     }
     for x, y, title, colour in spots.values():
         box(ax, x, y, w, h, title, colour, fill=0.25, size=9.5, weight="bold")
     needs = [("01", "02"), ("01", "04"), ("01", "05"), ("02", "03"), ("02", "09"),
-             ("05", "06"), ("02", "06"), ("03", "07"), ("06", "07"), ("03", "08"), ("01", "10")]
+             ("05", "06"), ("02", "06"), ("03", "07"), ("06", "07"), ("03", "08"), ("01", "10"),
+             ("01", "11")]
     for before, after in needs:
         (x0, y0, _, _), (x1, y1, _, _) = spots[before], spots[after]
-        arrow(ax, x0 + w / 2, y0, x1 + w / 2, y1 + h, "#555555", lw=1)
+        if y0 == y1:                          # side by side: from the right edge to the left
+            arrow(ax, x0 + w, y0 + h / 2, x1, y1 + h / 2, "#555555", lw=1)
+        else:
+            arrow(ax, x0 + w / 2, y0, x1 + w / 2, y1 + h, "#555555", lw=1)
     notes = [(BLUE, "half-day core: 01 → 02 → 03 → 07"),
              (GREEN, "the original course: 01 to 07 (adds 04, 05, 06)"),
-             (PINK, "the full course: all ten (08, 09, 10 go past the original)"),
+             (PINK, "the full course: all eleven (08 to 11 go past the original)"),
              (GREY, "04 stands alone: nothing later needs it")]
     for i, (colour, text) in enumerate(notes):
         box(ax, 7.2, 0.95 - i * 0.32, 0.25, 0.22, "", colour, fill=0.5)
         ax.text(7.55, 1.06 - i * 0.32, text, fontsize=8.5, va="center")
-    ax.text(6.5, 5.45, "an arrow: the lesson below uses what the one above teaches",
+    ax.text(6.5, 5.45, "an arrow: the lesson it points to uses what the other one teaches",
             ha="center", fontsize=8.5, color="#555555")
     return fig
 

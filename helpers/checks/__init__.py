@@ -20,3 +20,4 @@ from .lesson07 import *  # noqa: F401,F403
 from .lesson08 import *  # noqa: F401,F403
 from .lesson09 import *  # noqa: F401,F403
 from .lesson10 import *  # noqa: F401,F403
+from .lesson11 import *  # noqa: F401,F403

@@ -1,0 +1,380 @@
+"""Lesson 11's checks: the fused queries/keys/values cut per part, a rank's MLP with its one
+all-reduce, and an embedding split by vocabulary.
+
+Each case runs the learner's code as the lesson does. ``split_qkv`` is compared with
+``helpers.sharding.split_qkv`` on the bundled model's ``c_attn`` for 1, 2 and 4 ranks, on small
+layers of 6 heads over 3 ranks and in float16, and must refuse a world size that does not
+divide the heads even where it divides the width. ``ShardedMLP`` is built for every rank of 1,
+2 and 4 (the bundled model's first MLP cut by the course's plan), each rank runs ``forward`` in
+a thread of its own with a counting communicator, and every rank's output must equal the whole
+MLP's, after exactly one all-reduce. ``embed_vocab_shard`` runs the same way on the bundled
+model's embeddings split 2 and 3 ways (the last share shorter) and a small one split 4 ways,
+with ids at both ends of every share. Results are compared in shape, dtype and device as well
+as in value, on the model's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sharding import (LeftWaiting, ShardedMLP, ThreadGroup, embed_vocab_shard, run_in_threads,
+                        split_columns, split_qkv, split_rows, vocab_shard)
+from .core import Hint, expect_shape, run_check
+
+__all__ = ["check_embed_vocab_shard", "check_sharded_mlp", "check_split_qkv"]
+
+
+def _same_kind(what: str, got: torch.Tensor, like: torch.Tensor) -> None:
+    """A Hint when ``got`` differs from ``like`` in dtype or device."""
+    if got.dtype != like.dtype:
+        raise Hint(f"{what} is {got.dtype}, expected {like.dtype} like the weights it comes "
+                   f"from: keep the dtype (no .float() or torch.tensor(...) of new values)")
+    if got.device != like.device:
+        raise Hint(f"{what} is on {got.device}, expected {like.device}: keep the tensors on "
+                   f"the device of the weights")
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor, atol: float) -> str:
+    bad = ~torch.isclose(got.detach().double().cpu(), expected.detach().double().cpu(),
+                         atol=atol, rtol=1e-3)
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"at {index}: got {got[index].item():.4g}, expected {expected[index].item():.4g}")
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, atol: float) -> bool:
+    return got.shape == expected.shape and torch.allclose(got.double(), expected.double(),
+                                                          atol=atol, rtol=1e-3)
+
+
+# ---- split_qkv ---------------------------------------------------------------------------------
+
+def _qkv_variants(weight, bias, heads, rank, world_size):
+    """What the usual mistakes give (weight, bias), each with the hint that names its cause."""
+    hidden = weight.shape[1] // 3
+    part = hidden // world_size
+    head = hidden // heads
+    mine = heads // world_size
+    block = slice(rank * 3 * part, (rank + 1) * 3 * part)
+    per_part = [slice(s + rank * part, s + (rank + 1) * part) for s in (0, hidden, 2 * hidden)]
+    heads_of_rank = [rank + i * world_size for i in range(mine)]
+    strided_w = torch.cat([weight[:, s + h * head:s + (h + 1) * head]
+                           for s in (0, hidden, 2 * hidden) for h in heads_of_rank], 1)
+    strided_b = torch.cat([bias[s + h * head:s + (h + 1) * head]
+                           for s in (0, hidden, 2 * hidden) for h in heads_of_rank])
+    right_weight = torch.cat([weight[:, c] for c in per_part], 1)
+    right_bias = torch.cat([bias[c] for c in per_part])
+    return [
+        ((weight[:, block], bias[block]),
+         "you cut c_attn's columns as one block, so rank 0 got all the queries and some of the "
+         "keys: its columns are three parts, [queries | keys | values]; cut each part by heads "
+         "and put the rank's three pieces side by side"),
+        ((right_weight, bias[block]),
+         "the weight is right but the bias was cut as one block: cut it like the columns, each "
+         "of its three parts by heads"),
+        ((strided_w, strided_b),
+         f"rank {rank} got heads {rank}, {rank + world_size}, ... (one in every {world_size}): "
+         f"a rank's heads are consecutive, columns rank × {part} to (rank + 1) × {part} of each "
+         f"part"),
+    ]
+
+
+def _qkv_layer(hidden, heads, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(hidden, 3 * hidden, generator=generator).to(device=device, dtype=dtype)
+    bias = torch.randn(3 * hidden, generator=generator).to(device=device, dtype=dtype)
+    return weight, bias
+
+
+def _split_qkv_cases(model):
+    def cases(learner, cases):
+        attn = model.transformer.h[0].attn
+        weight, bias = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
+        heads = model.config.num_attention_heads
+        device = weight.device
+        small = _qkv_layer(12, 6, torch.float32, device, 0)
+        half = _qkv_layer(8, 4, torch.float16, device, 1)
+        scenarios = [
+            ("the bundled model's c_attn, 2 ranks, rank 0", weight, bias, heads, 0, 2),
+            ("the bundled model's c_attn, 2 ranks, rank 1", weight, bias, heads, 1, 2),
+            ("the bundled model's c_attn, 4 ranks, rank 2", weight, bias, heads, 2, 4),
+            ("one rank: the whole layer", weight, bias, heads, 0, 1),
+            ("6 heads of 2 over 3 ranks, rank 1", *small, 6, 1, 3),
+            ("float16, 4 heads of 2 over 2 ranks, rank 1", *half, 4, 1, 2),
+        ]
+        for label, w, b, h, rank, world in scenarios:
+            with cases(f"{label}: split_qkv(weight {tuple(w.shape)}, bias, {h}, {rank}, {world})"):
+                expected_w, expected_b = split_qkv(w, b, h, rank, world)
+                got = learner(w.clone(), b.clone(), h, rank, world)
+                if not isinstance(got, (tuple, list)) or len(got) != 2:
+                    raise Hint(f"return two tensors, (weight, bias); got {type(got).__name__}")
+                got_w, got_b = got
+                if not isinstance(got_w, torch.Tensor) or not isinstance(got_b, torch.Tensor):
+                    raise Hint(f"return two tensors, (weight, bias); got "
+                               f"({type(got_w).__name__}, {type(got_b).__name__})")
+                hidden = w.shape[0]
+                right_shape = tuple(got_w.shape) == tuple(expected_w.shape)
+                if not right_shape and tuple(got_w.shape) == (hidden // world, w.shape[1]):
+                    raise Hint(f"the weight has shape {tuple(got_w.shape)}, expected "
+                               f"{tuple(expected_w.shape)}: Conv1D stores its weight as (in, "
+                               f"out), so the queries, keys and values are its columns, "
+                               f"dimension 1; you cut the rows, dimension 0")
+                if not right_shape and tuple(got_w.shape) == tuple(expected_w.shape)[::-1]:
+                    raise Hint(f"the weight has shape {tuple(got_w.shape)}, expected "
+                               f"{tuple(expected_w.shape)}: keep Conv1D's orientation, (in, "
+                               f"out); do not transpose it")
+                expect_shape("the weight", got_w, tuple(expected_w.shape),
+                             ": (hidden, 3 × hidden / world_size)")
+                if tuple(got_b.shape) == tuple(b.shape) and world > 1:
+                    raise Hint(f"the bias has all {b.shape[0]} entries: cut it like the weight's "
+                               f"columns, to {expected_b.shape[0]}")
+                expect_shape("the bias", got_b, tuple(expected_b.shape),
+                             ": 3 × hidden / world_size")
+                _same_kind("the weight", got_w, w)
+                _same_kind("the bias", got_b, b)
+                if torch.equal(got_w, expected_w) and torch.equal(got_b, expected_b):
+                    continue
+                for (variant_w, variant_b), hint in _qkv_variants(w, b, h, rank, world):
+                    if torch.equal(got_w, variant_w) and torch.equal(got_b, variant_b):
+                        raise Hint(hint)
+                if not torch.equal(got_w, expected_w):
+                    raise Hint(f"the weight differs {_first_difference(got_w, expected_w, 0)}: "
+                               f"rank {rank} should get columns rank × {w.shape[1] // 3 // world}"
+                               f" onwards of the queries, of the keys and of the values")
+                raise Hint(f"the bias differs {_first_difference(got_b, expected_b, 0)}: cut it "
+                           f"exactly as the weight's columns")
+        for label, w, b, h, world in [
+                ("4 heads of 3 over 3 ranks (the width, 12, divides; the heads do not)",
+                 *_qkv_layer(12, 4, torch.float32, device, 2), 4, 3),
+                ("the bundled model over 8 ranks (4 heads)", weight, bias, heads, 8)]:
+            with cases(f"{label}: split_qkv(..., {h}, 0, {world}) must raise ValueError"):
+                try:
+                    learner(w.clone(), b.clone(), h, 0, world)
+                except ValueError:
+                    continue
+                except NotImplementedError:
+                    raise
+                except Exception as error:
+                    raise Hint(f"it raised {type(error).__name__}, expected ValueError: refuse a "
+                               f"world size that does not divide num_heads yourself, with a "
+                               f"ValueError that says so") from None
+                raise Hint(f"{h} heads cannot be shared by {world} ranks, yet nothing was "
+                           f"refused: a rank must hold whole heads; raise ValueError when "
+                           f"num_heads % world_size is not 0")
+    return cases
+
+
+def check_split_qkv(learner_split_qkv, model):
+    """Lesson 11: check the learner's ``split_qkv(weight, bias, num_heads, rank, world_size)``
+    against ``helpers.sharding.split_qkv`` (eight cases); print one line and return the
+    function the rest of the lesson should use."""
+    return run_check("split_qkv", learner_split_qkv, _split_qkv_cases(model), fallback=split_qkv,
+                     causes={"mat1 and mat2": "Conv1D's weight is (in, out): x @ weight"})
+
+
+# ---- ShardedMLP.forward ------------------------------------------------------------------------
+
+def _mlp_shards(mlp, rank, world_size):
+    fc_weight, fc_bias = split_columns(mlp.c_fc.weight.detach(), mlp.c_fc.bias.detach(), rank,
+                                       world_size)
+    return (fc_weight, fc_bias, split_rows(mlp.c_proj.weight.detach(), rank, world_size),
+            mlp.c_proj.bias.detach().clone())
+
+
+def _run_mlp(cls, mlp, x, world_size, act):
+    """Every rank's output and its number of all-reduces, one thread per rank."""
+    group = ThreadGroup(world_size, timeout=10)
+
+    def rank_forward(rank, comm):
+        layer = cls(*_mlp_shards(mlp, rank, world_size), act, comm)
+        out = layer(x.clone())
+        return out, comm.counts().calls
+
+    try:
+        return run_in_threads(group, rank_forward)
+    except LeftWaiting:
+        raise Hint("the ranks made different numbers of all-reduces, so one waited for ever: "
+                   "every rank runs the same forward, with one all-reduce each") from None
+
+
+def _sharded_mlp_cases(model):
+    def cases(learner_class, cases):
+        mlp = model.transformer.h[0].mlp
+        device = mlp.c_fc.weight.device
+        generator = torch.Generator().manual_seed(0)
+        hidden = model.config.hidden_size
+        scenarios = [("one rank: the whole MLP", 1, (2, 3)), ("2 ranks, a decode step", 2, (1, 1)),
+                     ("2 ranks, 2 prompts of 5 tokens", 2, (2, 5)),
+                     ("4 ranks, 3 prompts of 4 tokens", 4, (3, 4))]
+        for label, world, (batch, length) in scenarios:
+            x = torch.randn(batch, length, hidden, generator=generator).to(device)
+            with cases(f"{label}: x of shape {tuple(x.shape)}"):
+                with torch.no_grad():
+                    expected = mlp(x)
+                outputs = _run_mlp(learner_class, mlp, x, world, mlp.act)
+                for rank, (out, calls) in enumerate(outputs):
+                    who = f"rank {rank} of {world}"
+                    if calls == 0 and world > 1:
+                        raise Hint(f"{who} made no all-reduce, so it holds only its own partial "
+                                   f"sum: call self.comm.all_reduce on c_proj's partial product "
+                                   f"(h @ self.proj_weight), then add the bias")
+                    if calls > 1:
+                        raise Hint(f"{who} made {calls} all-reduces in one forward, expected 1: "
+                                   f"c_fc's columns need none (each rank's activations stay its "
+                                   f"own); only c_proj's partial products are summed")
+                    if calls == 0:
+                        raise Hint("no all-reduce was made: with one rank it changes nothing, "
+                                   "but with two it is what adds up the partial sums; call "
+                                   "self.comm.all_reduce on c_proj's partial product")
+                    if not isinstance(out, torch.Tensor):
+                        raise Hint(f"forward should return a tensor, got {type(out).__name__}")
+                    expect_shape(f"{who}'s output", out, tuple(x.shape),
+                                 ": (batch, tokens, hidden), like its input")
+                    _same_kind(f"{who}'s output", out, x)
+                    if _close(out, expected, 1e-4):
+                        continue
+                    bias = mlp.c_proj.bias.detach()
+                    if _close(out, expected + (world - 1) * bias, 1e-4):
+                        raise Hint(f"{who}'s output has c_proj's bias {world} times: every rank "
+                                   f"added it before the all-reduce, which sums the biases too; "
+                                   f"add it once, after the all-reduce")
+                    if _close(out, expected - bias, 1e-4):
+                        raise Hint(f"{who}'s output lacks c_proj's bias: add self.proj_bias "
+                                   f"after the all-reduce")
+                    shards = _mlp_shards(mlp, 0, 1)
+                    no_act = (x @ shards[0] + shards[1]) @ shards[2] + shards[3]
+                    if _close(out, no_act, 1e-4):
+                        raise Hint(f"{who}'s output is the MLP without its activation: apply "
+                                   f"self.act to x @ self.fc_weight + self.fc_bias")
+                    raise Hint(f"{who}'s output differs from the whole MLP's "
+                               f"{_first_difference(out, expected, 1e-4)}: each rank computes "
+                               f"h = act(x @ fc_weight + fc_bias), its partial product h @ "
+                               f"proj_weight, all-reduces that, then adds proj_bias once")
+    return cases
+
+
+MLP_CAUSES = {
+    "mat1 and mat2": "Conv1D-style weights are (in, out): compute x @ weight, not weight.T",
+    "must match the size": "Conv1D-style weights are (in, out): compute x @ weight",
+}
+
+
+def check_sharded_mlp(learner_sharded_mlp, model):
+    """Lesson 11: check the learner's ``ShardedMLP`` class (its ``forward``) on 1, 2 and 4
+    ranks in threads against the bundled model's whole first MLP, counting each rank's
+    all-reduces; print one line and return the class the rest of the lesson should use."""
+    return run_check("ShardedMLP", learner_sharded_mlp, _sharded_mlp_cases(model),
+                     fallback=ShardedMLP, kind="class", causes=MLP_CAUSES)
+
+
+# ---- embed_vocab_shard -------------------------------------------------------------------------
+
+def _run_embedding(learner, ids, shards):
+    world = len(shards)
+    group = ThreadGroup(world, timeout=10)
+
+    def one(rank, comm):
+        weight, start = shards[rank]
+        out = learner(ids.clone(), weight.clone(), start, comm)
+        return out, comm.counts().calls
+
+    try:
+        return run_in_threads(group, one)
+    except LeftWaiting:
+        raise Hint("the ranks made different numbers of all-reduces, so one waited for ever: "
+                   "every rank makes exactly one, whatever ids it holds") from None
+
+
+def _embedding_cases(model):
+    def cases(learner, cases):
+        wte = model.transformer.wte.weight.detach()
+        device = wte.device
+        small = torch.arange(40.0, device=device).view(10, 4) + 1
+        ids_small = torch.tensor([[0, 9, 3, 3, 5], [2, 6, 9, 0, 1]], device=device)
+        scenarios = []
+        for world in (2, 3):
+            shards = [vocab_shard(wte, r, world) for r in range(world)]
+            edges = sorted({s for _, s in shards} | {s - 1 for _, s in shards if s}
+                           | {wte.shape[0] - 1})
+            ids = torch.tensor([edges + [17, 17]], device=device)
+            scenarios.append((f"the bundled model's {wte.shape[0]} embeddings over {world} ranks "
+                              f"({', '.join(str(s.shape[0]) for s, _ in shards)} rows)",
+                              wte, shards, ids))
+        shards = [vocab_shard(small, r, 4) for r in range(4)]
+        scenarios.append(("10 embeddings over 4 ranks (3, 3, 3 and 1 rows), 2 rows of ids",
+                          small, shards, ids_small))
+        half = small.half()
+        scenarios.append(("float16, 10 embeddings over 2 ranks", half,
+                          [vocab_shard(half, r, 2) for r in range(2)], ids_small))
+        for label, weight, shards, ids in scenarios:
+            with cases(label):
+                expected = weight[ids]
+                for rank, (out, calls) in enumerate(_run_embedding(learner, ids, shards)):
+                    start, rows = shards[rank][1], shards[rank][0].shape[0]
+                    who = f"rank {rank} (ids {start} to {start + rows - 1})"
+                    if calls == 0:
+                        raise Hint(f"{who} made no all-reduce: each rank holds the rows of its "
+                                   f"own ids only; all-reduce the rows it looked up (zeros for "
+                                   f"the others) so that every rank has every id's row")
+                    if calls > 1:
+                        raise Hint(f"{who} made {calls} all-reduces, expected 1: one sum of "
+                                   f"the ranks' pieces is the whole embedding")
+                    if not isinstance(out, torch.Tensor):
+                        raise Hint(f"return a tensor, got {type(out).__name__}")
+                    expect_shape(f"{who}'s result", out, tuple(expected.shape),
+                                 ": (ids' shape, hidden)")
+                    _same_kind(f"{who}'s result", out, weight)
+                    if torch.allclose(out.double(), expected.double()):
+                        continue
+                    wrong = (out.double() - expected.double()).abs().sum(-1) > 0
+                    bad_id = int(ids[tuple(wrong.nonzero()[0].tolist())])
+                    raise Hint(_embedding_hint(weight, shards, ids, out, bad_id))
+    return cases
+
+
+def _embedding_hint(weight, shards, ids, out, bad_id) -> str:
+    """Name the usual cause of a wrong embedding."""
+    def summed(piece):
+        return sum(piece(w, s) for w, s in shards).double()
+
+    def unmasked(w, s):                  # the offset, clamped, but no mask
+        return w[(ids - s).clamp(0, w.shape[0] - 1)]
+
+    def no_offset(w, s):                 # the mask, but ids not shifted by start
+        mine = (ids >= s) & (ids < s + w.shape[0])
+        return w[ids.clamp(0, w.shape[0] - 1)] * mine.unsqueeze(-1).to(w.dtype)
+
+    def inclusive(w, s):                 # the mask's upper end included
+        mine = (ids >= s) & (ids <= s + w.shape[0])
+        return w[(ids - s).clamp(0, w.shape[0] - 1)] * mine.unsqueeze(-1).to(w.dtype)
+
+    if torch.allclose(out.double(), summed(inclusive)):
+        return (f"token id {bad_id} got rows from several ranks: it is the first id of the next "
+                f"rank's share, and the mask took it too; a rank holds ids start to start + "
+                f"len(weight_shard) - 1 (ids < start + len(weight_shard), not <=)")
+    if torch.allclose(out.double(), summed(unmasked)):
+        return (f"token id {bad_id} got rows from several ranks: a rank must write zeros for "
+                f"the ids it does not hold (mask = (ids >= start) & (ids < start + rows)), so "
+                f"that the all-reduce adds exactly one row per id")
+    if torch.allclose(out.double(), summed(no_offset)):
+        return (f"token id {bad_id} got another token's row: a rank holds the rows of ids start "
+                f"onwards, so its row for id i is weight_shard[i - start]")
+    return (f"the row of token id {bad_id} is wrong: look up weight_shard[ids - start] for the "
+            f"ids start <= id < start + len(weight_shard), zeros for the others, then one "
+            f"all-reduce")
+
+
+EMBEDDING_CAUSES = {
+    "out of bounds": "this rank holds only rows start to start + len(weight_shard) - 1: look "
+                     "up ids - start, and only for the ids it holds (zeros for the others)",
+    "index out of range": "this rank holds only rows start to start + len(weight_shard) - 1: "
+                          "look up ids - start, and only for the ids it holds",
+}
+
+
+def check_embed_vocab_shard(learner_embed_vocab_shard, model):
+    """Lesson 11: check the learner's ``embed_vocab_shard(ids, weight_shard, start, comm)`` on
+    embeddings split 2, 3 and 4 ways, every rank in a thread, against the whole embedding;
+    print one line and return the function the rest of the lesson should use."""
+    return run_check("embed_vocab_shard", learner_embed_vocab_shard, _embedding_cases(model),
+                     fallback=embed_vocab_shard, causes=EMBEDDING_CAUSES)
+
