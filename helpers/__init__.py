@@ -8,7 +8,8 @@ the modules of one layer do not import each other; a sub-package (``server``, ``
 as one module, whose files build on one another. tests/test_layering.py reads this list and
 checks every import in the package against it, imports inside functions included.
 
-    1. quiet                         library noise kept out of a lesson's output
+    1. quiet, versions               library noise kept out of a lesson's output; the versions
+                                     of torch, transformers, peft, torchao (every lesson)
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
     4. batching, quantization, lora  what lessons 02-06 teach
@@ -48,6 +49,7 @@ _EXPORTS = {
     "paged": ["BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged"],
     "plots": ["durations_figure", "finish_times", "plot_timeline", "timelines_figure"],
     "quiet": ["import_torchao", "quiet_stderr"],
+    "versions": ["LESSON_NEEDS", "check_versions"],
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
     "server": ["serve_in_background"],
@@ -57,6 +59,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "Needs", "LivePlot", "cache_nbytes",
+    "LESSON_NEEDS", "check_versions",
     "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
     "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
     "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
