@@ -3,6 +3,8 @@
 #   make check    is this laptop ready? imports, model, widgets, kernel, server, port (~1 min)
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
+#   make test-colab    Colab's runtime (Python 3.13, its versions): the Colab cell, then every
+#                      lesson and workbook to its end (the first run downloads ~2.7 GB)
 #   make execute  re-run every lesson in place to refresh its committed outputs
 #   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
 #   make slides   every lesson as a reveal.js deck in slides/, one HTML file that needs no network
@@ -31,7 +33,7 @@ COLAB_SHIPS := torch torchao transformers tokenizers safetensors huggingface-hub
                openai aiohttp requests pydantic httpx nbclient nbformat pytest
 # notebooks run at once by make test-colab (each lesson sets torch to one thread)
 COLAB_JOBS  ?= 2
-# make test-pythons: the unit tests under the oldest Python the package supports and Colab's
+# make test-pythons: the unit tests under the oldest Python the package supports and 3.12
 PYTHON310   ?= python3.10
 PYTHON312   ?= python3.12
 VENV_310    ?= .venv-py310
