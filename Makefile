@@ -113,6 +113,8 @@ $(STAMP_COLAB): constraints-colab.txt
 	@test -x $(VENV_COLAB)/bin/python || $(PYTHON313) -m venv $(VENV_COLAB)
 	$(VENV_COLAB)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
 	    -c constraints-colab.txt $(COLAB_SHIPS)
+	# what the runtime is before the Colab cell: each run of make test-colab starts from it
+	$(VENV_COLAB)/bin/python -m pip freeze --all > $(VENV_COLAB)/as-colab-ships.txt
 	@touch $@
 
 # The pins of constraints.txt need Python 3.11+ (transformers 5.23, IPython 9, NumPy 2.4), so

@@ -4,7 +4,8 @@ Run by `make test-colab` with the Python of .venv-colab, the environment pinned 
 runtime (constraints-colab.txt: Python 3.13, torch 2.11, transformers 5.15, peft 0.20,
 torchao 0.10, ipywidgets 7.7.1, IPython 7.34, ...). It
 
-1. copies the repository (its files as git sees them, uncommitted changes included) to a
+1. puts the environment back as Colab ships it, when an earlier run changed it, and copies
+   the repository (its files as git sees them, uncommitted changes included) to a
    temporary folder, the stand-in for Colab's /content/course;
 2. runs the lessons' Colab cell (the first code cell of every notebook) in a fresh kernel with a
    stand-in `google.colab` imported at start-up, as Colab's kernel has it: the real cell, with
@@ -15,8 +16,8 @@ torchao 0.10, ipywidgets 7.7.1, IPython 7.34, ...). It
    are not compared: a cell that raises fails the notebook. Each notebook's version line (its
    setup cell's first line) is shown.
 
-Exits 1 when a notebook failed. The environment is changed by step 2 (the course is
-installed); `make clean` removes it.
+Exits 1 when a notebook failed. Step 2 changes the environment (it installs the course and
+upgrades torchao); the next run's step 1 undoes that.
 
     .venv-colab/bin/python scripts/colab_runtime.py [--jobs 2] [NOTEBOOK ...]
 """
@@ -24,8 +25,10 @@ installed); `make clean` removes it.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,20 +42,48 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = Path(sys.prefix) / "as-colab-ships.txt"      # written by make test-colab's build
 COLAB_FOLDER = '"/content/course"'          # the cell's folder, replaced by the copy's
 CELL_TIMEOUT = 900
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # What Colab's kernel has imported before the first cell runs, as far as the course can tell:
 # a module named google.colab (the cell tests `"google.colab" in sys.modules`).
 STARTUP = '''\
-import sys, types
+import importlib.machinery, sys, types
 try:
     import google
 except ImportError:
     google = sys.modules["google"] = types.ModuleType("google")
     google.__path__ = []
 colab = types.ModuleType("google.colab", "A stand-in for Colab's own module (make test-colab)")
+colab.__spec__ = importlib.machinery.ModuleSpec("google.colab", None, is_package=True)
+colab.__path__ = []
 google.colab = sys.modules["google.colab"] = colab
 '''
+
+
+def as_colab_ships() -> None:
+    """Put this environment back as it was built (`make test-colab` wrote its pip freeze to
+    SNAPSHOT): what an earlier run's Colab cell installed is removed, what it upgraded goes
+    back, so that the cell meets Colab's versions again."""
+    shipped = dict(line.split("==") for line in SNAPSHOT.read_text().splitlines() if "==" in line)
+    shipped = {normalize(name): version for name, version in shipped.items()}
+    now = {normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    added = sorted(set(now) - set(shipped))
+    changed = [f"{name}=={version}" for name, version in sorted(shipped.items())
+               if now.get(name) != version]
+    pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
+    if added:
+        subprocess.run(pip + ["uninstall", "--yes"] + added, check=True)
+    if changed:
+        subprocess.run(pip + ["install", "--no-deps"] + changed, check=True)
+    if added or changed:
+        print(f"Back to Colab's versions: removed {', '.join(added) or 'nothing'}, "
+              f"reinstalled {', '.join(changed) or 'nothing'}", flush=True)
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def copy_repository(dest: Path) -> None:
@@ -84,6 +115,7 @@ def kernel_env(folder: Path) -> dict:
     (startup / "00-google-colab.py").write_text(STARTUP)
     env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))
     env.pop("MPLBACKEND", None)     # Colab's kernel draws inline
+    env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"   # no debugger notice on every kernel start
     return env
 
 
@@ -94,15 +126,16 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, env: dict) -> tuple[bool, str]
     try:
         client.execute(env=env)
     except CellExecutionError as error:
-        lines = [ln for ln in str(error).splitlines() if ln.strip()]
-        return False, lines[-1] if lines else repr(error)
+        lines = [ANSI.sub("", ln) for ln in str(error).splitlines() if ln.strip()]
+        return False, "\n     ".join(lines[-6:])
     except Exception as error:                      # a timeout, a dead kernel
         return False, f"{type(error).__name__}: {error}"
     return True, ""
 
 
-def stream_text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
+def stdout_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.output_type == "stream" and o.name == "stdout")
 
 
 def main() -> int:
@@ -116,6 +149,9 @@ def main() -> int:
         [p.relative_to(ROOT) for p in (ROOT / "lessons").glob("[0-9]*.ipynb")]
         + [p.relative_to(ROOT) for p in (ROOT / "workbooks").glob("[0-9]*.ipynb")],
         key=lambda p: (p.name, p.parent.name), reverse=True)
+    if not SNAPSHOT.exists():
+        raise SystemExit(f"{SNAPSHOT} is missing: build the environment with make test-colab")
+    as_colab_ships()
     with tempfile.TemporaryDirectory(prefix="colab-runtime-") as tmp:
         tmp = Path(tmp)
         course = tmp / "course"
@@ -130,7 +166,7 @@ def main() -> int:
         setup.cells = [next(c for c in setup.cells if c.cell_type == "code")]
         ok, error = execute(setup, course / "lessons", env)
         print(f"Colab cell ({time.monotonic() - t0:.0f} s): "
-              f"{stream_text(setup.cells[0]).strip() or error}", flush=True)
+              f"{stdout_text(setup.cells[0]).strip() or error}", flush=True)
         if not ok:
             print("0 passed, 1 failed")
             return 1
@@ -140,7 +176,7 @@ def main() -> int:
             start = time.monotonic()
             ok, error = execute(nb, course / name.parent, env)
             code = [c for c in nb.cells if c.cell_type == "code"]
-            versions = stream_text(code[1]).splitlines()[:1] if len(code) > 1 else []
+            versions = stdout_text(code[1]).splitlines()[:1] if len(code) > 1 else []
             return name, ok, error, time.monotonic() - start, (versions or [""])[0]
 
         t0 = time.monotonic()
