@@ -641,16 +641,37 @@ def _batching_manager(model, config, token_lists: list[list[int]], max_tokens: l
     except ImportError:
         ContinuousBatchingConfig = None
     if ContinuousBatchingConfig is not None:
-        extra = {"max_requests_per_batch": batch_size} if batch_size else {}
         return model.init_continuous_batching(
             generation_config=config,
-            continuous_batching_config=ContinuousBatchingConfig(page_size=page, **sizes, **extra))
+            continuous_batching_config=_batching_config(ContinuousBatchingConfig, page, sizes,
+                                                        batch_size))
     for name, value in dict(sizes, block_size=page).items():  # transformers 4.5x
         setattr(config, name, value)
     if model.device.type == "cpu":
         raise RuntimeError("transformers < 5 runs its continuous batching on a GPU only; "
                            "upgrade transformers or use a CUDA device")
     return model.init_continuous_batching(generation_config=config)
+
+
+def _batching_config(config_class, page: int, sizes: dict, batch_size: int | None):
+    """A ``ContinuousBatchingConfig`` with what this installed transformers accepts: its
+    fields have changed between 5.x releases (the page size was ``block_size`` before 5.18,
+    ``page_size`` after; ``max_requests_per_batch`` came in 5.11), so the names are read from
+    the class, not assumed."""
+    import dataclasses
+
+    accepted = {field.name for field in dataclasses.fields(config_class)}
+    args = {("page_size" if "page_size" in accepted else "block_size"): page, **sizes}
+    if batch_size:
+        if "max_requests_per_batch" not in accepted:
+            import transformers
+            raise ValueError(f"batch_size needs transformers 5.11 or newer (installed: "
+                             f"{transformers.__version__}); leave batch_size=None")
+        args["max_requests_per_batch"] = batch_size
+    missing = sorted(set(args) - accepted)
+    if missing:
+        raise RuntimeError(f"this transformers' ContinuousBatchingConfig has no {missing}")
+    return config_class(**args)
 
 
 def _collect_answers(manager, tokenizer, count: int, stop_at_eos: bool, timeout: float,

@@ -184,18 +184,43 @@ def static_decode_step(model):
     return step
 
 
+#: The first torch whose inductor compiles the static-cache decode step with an unbacked batch
+#: dimension into one graph. Before it, ``mark_unbacked`` fails there: torch 2.11's inductor
+#: stops at the cache write (``Broadcast failed in ExpandView``), 2.12 breaks the graph at the
+#: attention and compiles again for every batch size.
+UNBACKED_FROM = "2.13"
+
+
+def batch_marker(version: str | None = None):
+    """``(mark, line)``: the function that marks a tensor's dimension dynamic on this torch
+    (or on ``version``), and one line that says which one and why. ``mark_unbacked`` where
+    torch compiles the decode step with it (``UNBACKED_FROM`` on), ``torch._dynamo.mark_dynamic``
+    before: the same single graph for every batch size of 2 and more, and a graph of its own
+    for a batch of 1. (Lesson 10.)"""
+    from torch.torch_version import TorchVersion
+
+    installed = TorchVersion((version or torch.__version__).split("+")[0])   # 2.11.0+cu128
+    if installed >= UNBACKED_FROM:
+        from torch._dynamo.decorators import mark_unbacked
+        return mark_unbacked, (f"torch {installed}: the batch dimension is marked with "
+                               f"mark_unbacked, one graph for every batch size")
+    return torch._dynamo.mark_dynamic, (
+        f"torch {installed}: the batch dimension is marked with mark_dynamic, since "
+        f"mark_unbacked compiles this step from torch {UNBACKED_FROM} on (older inductors fail "
+        f"at the cache write or split the graph); a batch of 1 gets a graph of its own")
+
+
 def mark_batch_dynamic(token: torch.Tensor, cache) -> None:
     """Tell TorchDynamo that dimension 0 (the batch) of the step's inputs, the token and every
     layer's keys and values, may have any size: one graph then serves every batch size.
     ``mark_unbacked`` makes no assumption about the size at all; ``torch._dynamo.mark_dynamic``
-    would still compile a batch of 1 apart (a dimension of size 1 broadcasts, so the
-    compiler treats it as a case of its own). (Lesson 10.)"""
-    from torch._dynamo.decorators import mark_unbacked
-
-    mark_unbacked(token, 0)
-    for layer in cache.layers:
-        mark_unbacked(layer.keys, 0)
-        mark_unbacked(layer.values, 0)
+    (what ``batch_marker`` gives on torch before 2.13) still compiles a batch of 1 apart (a
+    dimension of size 1 broadcasts, so the compiler treats it as a case of its own).
+    (Lesson 10.)"""
+    mark, _ = batch_marker()
+    for tensor in [token] + [layer.keys for layer in cache.layers] + [layer.values
+                                                                      for layer in cache.layers]:
+        mark(tensor, 0)
 
 
 def _sync(device) -> None:

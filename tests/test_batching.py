@@ -318,6 +318,41 @@ def test_transformers_generate_batch_can_run_past_eos():
     assert stopped[0] == ours[0].split(tokenizer.eos_token)[0]
 
 
+def test_the_batching_config_takes_the_names_this_transformers_has():
+    """transformers renamed ContinuousBatchingConfig's block_size to page_size in 5.18 and added
+    max_requests_per_batch in 5.11: the config is built from the fields the class has."""
+    import dataclasses
+
+    from helpers.batching import _batching_config
+
+    @dataclasses.dataclass
+    class Before518:                 # 5.11-5.17
+        block_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+        max_requests_per_batch: int | None = None
+
+    @dataclasses.dataclass
+    class From518:
+        page_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+        max_requests_per_batch: int | None = None
+
+    @dataclasses.dataclass
+    class Before511:
+        block_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+
+    sizes = {"num_blocks": 9, "max_batch_tokens": 256}
+    assert _batching_config(Before518, 64, sizes, 8) == Before518(64, 9, 256, 8)
+    assert _batching_config(From518, 64, sizes, None) == From518(64, 9, 256, None)
+    assert _batching_config(Before511, 64, sizes, None) == Before511(64, 9, 256)
+    with pytest.raises(ValueError, match="batch_size needs transformers 5.11"):
+        _batching_config(Before511, 64, sizes, 8)
+
+
 @pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 runs its continuous batching on CPUs too")
 def test_transformers_generate_batch_says_it_needs_a_gpu_on_transformers_4(tiny_gqa_llama):
     model, tokenizer = tiny_gqa_llama
