@@ -213,3 +213,40 @@ def test_what_colab_ships_is_named_in_one_place():
     assert set(colab_setup.NEVER_CHANGED) - {"torchvision", "torchaudio"} <= set(ships)
     assert set(colab_setup.RAISED_WHEN_OLD) <= set(ships)
     assert COLAB["torch"] == "2.11.0" and COLAB["ipywidgets"] == "7.7.1"
+
+
+# --- make test-colab's runner (scripts/colab_runtime.py) -------------------------------------
+
+def test_the_runner_points_the_real_cell_at_its_copy(tmp_path):
+    import json
+
+    import colab_runtime
+
+    nb = colab_runtime.point_at(ROOT / "lessons" / "01_text_generation.ipynb", tmp_path)
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    assert cell.source.replace(json.dumps(str(tmp_path)), '"/content/course"') == colab_cell()
+    assert "/content/course" not in cell.source
+
+
+def test_the_runner_refuses_a_notebook_without_the_colab_cell(tmp_path):
+    import nbformat
+
+    import colab_runtime
+
+    path = tmp_path / "x.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    nbformat.write(nb, path)
+    with pytest.raises(SystemExit, match="not the Colab cell"):
+        colab_runtime.point_at(path, tmp_path)
+
+
+def test_the_runners_kernels_start_with_a_google_colab_module():
+    """What the cell looks for, and what libraries look up (accelerate: find_spec)."""
+    import colab_runtime
+
+    probe = ("import importlib.util, sys\n"
+             "assert 'google.colab' in sys.modules and importlib.util.find_spec('google.colab')\n"
+             "import google.colab\nprint(google.colab.__name__)")
+    out = subprocess.run([sys.executable, "-c", colab_runtime.STARTUP + probe],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "google.colab\n"
