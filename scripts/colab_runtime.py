@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -133,6 +134,12 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, env: dict) -> tuple[bool, str]
     return True, ""
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's finished child processes: the kernels."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def stdout_text(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", [])
                    if o.output_type == "stream" and o.name == "stdout")
@@ -179,7 +186,7 @@ def main() -> int:
             versions = stdout_text(code[1]).splitlines()[:1] if len(code) > 1 else []
             return name, ok, error, time.monotonic() - start, (versions or [""])[0]
 
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), _children_cpu()
         failed = []
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             for name, ok, error, seconds, versions in pool.map(run, names):
@@ -187,7 +194,10 @@ def main() -> int:
                       + ("" if ok else f"\n     {error}"), flush=True)
                 if not ok:
                     failed.append(name)
-        print(f"{len(names)} notebooks in {time.monotonic() - t0:.0f} s, {args.jobs} at a time")
+        # The kernels' CPU time: on an idle machine with N cores, about what one notebook at a
+        # time takes, and N at a time about 1/N of it (each lesson sets torch to one thread).
+        print(f"{len(names)} notebooks in {time.monotonic() - t0:.0f} s, {args.jobs} at a time; "
+              f"their kernels used {_children_cpu() - cpu0:.0f} s of CPU")
     print(f"{len(names) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
