@@ -141,7 +141,7 @@ OUR_PREFILL = "model forward: eager (paged_next_token: a batch with an adapter r
 OUR_EAGER = "model forward: eager (elsewhere)"
 OUR_INPUTS = "the step's inputs (PackedStep.step, PackedInputs.build, PagedForward.build)"
 OUR_SCHEDULER = "scheduler: admission, bookkeeping, block manager (PagedEngine.step)"
-OUR_SAMPLER = "sampler (Engine._choose, sampling.py)"
+OUR_SAMPLER = "sampler (TokenChooser, choosing.py, sampling.py)"
 OUR_OUTPUTS = "handing out tokens (_hand_out, Request.accept)"
 OUR_DETOK = "detokenizing (detok.py)"
 OUR_LOOP = "engine loop (the scheduler thread's loop, the command loop)"
@@ -178,10 +178,10 @@ ENGINE_RULES = [
     (None, "helpers/server/engine_process.py", OUR_LOOP),
     (None, "helpers/server/contract.py", None),
     (None, "helpers/server/sampling.py", OUR_SAMPLER),
+    (None, "helpers/server/choosing.py", OUR_SAMPLER),
     (None, "helpers/server/detok.py", OUR_DETOK),
-    *[(name, ENGINE, None) for name in ("cancelled", "adjusts_logits", "_guarded")],
-    *[(name, ENGINE, OUR_SAMPLER) for name in ("_choose", "_pick", "_adjust", "_score_prompt",
-                                               "choose")],
+    *[(name, ENGINE, None) for name in ("cancelled", "adjusts_logits")],
+    ("choose", ENGINE, OUR_SAMPLER),
     *[(name, ENGINE, OUR_OUTPUTS) for name in ("_hand_out", "accept", "_add_text", "_finish",
                                                "fail", "deliver_to_sinks")],
     *[(name, ENGINE, OUR_LOOP) for name in ("_loop", "_run")],
@@ -282,7 +282,7 @@ GROUPS = {"model forward": "forward", OUR_DECODE: "forward", OUR_PREFILL: "forwa
 COLUMNS = {
     "forward": "the model's forward pass (vLLM's worker; ours: the compiled step, and lesson 08's "
                "eager one for batches with an adapter row)",
-    "sampler": "choosing the tokens (vLLM's worker; ours: `Engine._choose`, `sampling.py`)",
+    "sampler": "choosing the tokens (vLLM's worker; ours: `TokenChooser`, `sampling.py`)",
     "inputs": "a step's input tensors and the runner's bookkeeping (vLLM's model runner; ours: "
               "`PackedStep.step` around the model call, `PackedInputs.build`)",
     "scheduler": "the scheduler and its KV blocks (vLLM's engine core; ours: `PagedEngine.step`,"

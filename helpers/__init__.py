@@ -8,8 +8,9 @@ the modules of one layer do not import each other; a sub-package (``server``, ``
 as one module, whose files build on one another. tests/test_layering.py reads this list and
 checks every import in the package against it, imports inside functions included.
 
-    1. quiet, versions               library noise kept out of a lesson's output; the versions
-                                     of torch, transformers, peft, torchao (every lesson)
+    1. quiet, gpu_run, versions      library noise kept out of a lesson's output; the record of
+                                     the course's last run on a GPU; the versions of torch,
+                                     transformers, peft, torchao (every lesson's setup cell)
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
     4. batching, quantization, lora  what lessons 02-06 teach
@@ -49,6 +50,7 @@ _EXPORTS = {
     "paged": ["BlockManager", "PagedKVCache", "PoolExhausted", "generate_paged"],
     "plots": ["durations_figure", "finish_times", "plot_timeline", "timelines_figure"],
     "quiet": ["import_torchao", "quiet_stderr"],
+    "gpu_run": ["gpu_record"],
     "versions": ["LESSON_NEEDS", "check_versions"],
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
@@ -62,7 +64,7 @@ __all__ = [
     "LESSON_NEEDS", "check_versions",
     "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
     "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
-    "resolve_model_name", "seed_everything", "show_diagram", "show_figure",
+    "resolve_model_name", "seed_everything", "show_diagram", "show_figure", "gpu_record",
     # lessons 02-03: batching
     "Batch", "Step", "Trace", "cache_from_layers", "cache_layers", "filter_batch",
     "generate_batched", "generate_continuous", "generate_next_token", "generate_sequential",

@@ -151,10 +151,11 @@ def graphs_compiled() -> int:
 
 # --- the decode step on a static cache ----------------------------------------------------------
 
-def static_prefill(model, input_ids: torch.Tensor, max_cache_len: int):
+def static_prefill(model, input_ids: torch.Tensor, max_cache_len: int, cache=None):
     """Read the prompts ``input_ids`` (batch, sequence; all rows the same length, no padding)
-    into a fresh ``StaticCache`` of ``max_cache_len`` positions; return the cache and each
-    row's first greedy token, shape (batch, 1). Runs eager: a prompt's length changes from
+    into a fresh ``StaticCache`` of ``max_cache_len`` positions (or into ``cache``, emptied
+    first: a CUDA graph keeps the addresses of the cache it recorded); return the cache and
+    each row's first greedy token, shape (batch, 1). Runs eager: a prompt's length changes from
     request to request, so the prefill is not what one compiles. (Lesson 10.)"""
     from transformers import StaticCache
 
@@ -162,7 +163,10 @@ def static_prefill(model, input_ids: torch.Tensor, max_cache_len: int):
     if max_cache_len < input_ids.shape[1]:
         raise ValueError(f"max_cache_len ({max_cache_len}) must hold the prompt "
                          f"({input_ids.shape[1]} tokens)")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if cache is None:
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    else:
+        cache.reset()                           # zeros, in place: the same tensors
     position = torch.arange(input_ids.shape[1], device=model.device)
     with torch.no_grad():
         logits = model(input_ids=input_ids.to(model.device), past_key_values=cache,
@@ -394,6 +398,154 @@ def time_decode(model, prompt_ids: torch.Tensor, batch_sizes, step=None, steps: 
                 tokens[b] = torch.cat(row, dim=1).cpu()
                 bar.update()
     return {b: DecodeTiming(b, best[b], tokens[b]) for b in batch_sizes}
+
+
+# --- CUDA graphs ---------------------------------------------------------------------------------
+
+class StepGraph:
+    """A decode step recorded once for ``size`` rows and replayed with one launch. (Lesson 10.)
+
+    ``token`` (size, 1) and ``position`` (1,) are the inputs the graph reads, ``cache`` the
+    ``StaticCache`` it reads and writes, ``output`` (size, 1) what it writes: the graph
+    recorded their addresses, so each step copies its inputs into them (``copy_``) and reads
+    the output from there, overwritten at the next replay. ``replay()`` runs the step.
+
+    On CUDA it is a ``torch.cuda.CUDAGraph``: the step runs twice on a side stream first
+    (lazy initialisations, cuBLAS workspaces), then once more recorded. Elsewhere there is no
+    graph and no launch to save: the stand-in calls the step again on the same buffers, so the
+    same code runs, with the same tokens, at no gain. ``pool``: a memory pool to share with
+    other graphs (``capture_steps`` captures the largest first and shares its pool).
+    """
+
+    def __init__(self, step, model, size: int, max_cache_len: int, pool=None):
+        _check_count("size", size)
+        device = model.device
+        self.step, self.size, self.max_cache_len = step, size, max_cache_len
+        self.token = torch.zeros(size, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # The cache's tensors exist once a prompt has been read into it.
+        self.cache, _ = static_prefill(model, self.token, max_cache_len)
+        self.graph = None
+        with torch.no_grad():
+            if device.type == "cuda":
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        step(self.token, self.cache, self.position)
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.output = step(self.token, self.cache, self.position)
+            else:
+                self.output = step(self.token, self.cache, self.position)
+
+    @property
+    def pool(self):
+        return self.graph.pool() if self.graph is not None else None
+
+    def replay(self) -> torch.Tensor:
+        """Run the recorded step on what the buffers hold now; returns ``output``."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.no_grad():
+                self.output.copy_(self.step(self.token, self.cache, self.position))
+        return self.output
+
+
+def capture_steps(step, model, sizes=CAPTURE_SIZES, max_cache_len: int = 64
+                  ) -> dict[int, StepGraph]:
+    """One ``StepGraph`` per capture size, {size: graph}, largest first so that the others
+    reuse its memory pool, as engines do. (Lesson 10.)"""
+    graphs, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        graphs[size] = StepGraph(step, model, size, max_cache_len, pool=pool)
+        pool = pool or graphs[size].pool
+    return dict(sorted(graphs.items()))
+
+
+def replay_step(graphs: dict, token: torch.Tensor, position: torch.Tensor,
+                pad_token_id: int) -> torch.Tensor:
+    """One decode step by replaying a graph: the graph of the smallest capture size that
+    holds the batch; the batch's tokens copied into its token buffer (padding rows below
+    them), the position into its position buffer; the replay; the batch's rows of its
+    output. (Lesson 10: the learner writes ``replay``.)"""
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def generate_graphed(model, graphs: dict, input_ids: torch.Tensor, new_tokens: int,
+                     pad_token_id: int, replay=replay_step) -> torch.Tensor:
+    """Greedy generation whose decode steps replay ``graphs`` (``capture_steps``): the prompts
+    are padded to the capture size and prefilled (eager) into that graph's own cache, then
+    ``new_tokens - 1`` steps of ``replay(graphs, token, position, pad_token_id)``. Returns the
+    tokens, shape (batch, new_tokens). (Lesson 10.)"""
+    _check_count("new_tokens", new_tokens)
+    batch, length = input_ids.shape
+    size = capture_size(batch, list(graphs))
+    if size is None:
+        raise ValueError(f"a batch of {batch} rows is larger than every captured size "
+                         f"{sorted(graphs)}")
+    graph = graphs[size]
+    padded = pad_batch(input_ids.to(model.device), size, pad_token_id)
+    _, token = static_prefill(model, padded, graph.max_cache_len, cache=graph.cache)
+    token = token[:batch]
+    tokens = [token]
+    for i in range(new_tokens - 1):
+        position = torch.tensor([length + i], device=model.device)
+        token = replay(graphs, token, position, pad_token_id).clone()
+        tokens.append(token)
+    return torch.cat(tokens, dim=1)
+
+
+def time_graphed(model, graphs: dict, prompt_ids: torch.Tensor, batch_sizes, pad_token_id: int,
+                 steps: int = 6, repeats: int = 3) -> dict[int, DecodeTiming]:
+    """``time_decode`` for steps that replay ``graphs``: each batch size's fastest step (copy
+    in, replay, read the output), and its tokens. (Lesson 10.)"""
+    batch_sizes = list(batch_sizes)
+    prompt_ids = prompt_ids.to(model.device)
+    best = {b: math.inf for b in batch_sizes}
+    tokens = {}
+    for _ in range(repeats):
+        for b in batch_sizes:
+            ids = prompt_ids[:b]
+            graph = graphs[capture_size(b, list(graphs))]
+            padded = pad_batch(ids, graph.size, pad_token_id)
+            _, token = static_prefill(model, padded, graph.max_cache_len,
+                                      cache=graph.cache)
+            token, row = token[:b], [token[:b]]
+            for i in range(steps):
+                position = torch.tensor([ids.shape[1] + i], device=model.device)
+                _sync(model.device)
+                start = time.perf_counter()
+                token = replay_step(graphs, token, position, pad_token_id).clone()
+                _sync(model.device)
+                best[b] = min(best[b], time.perf_counter() - start)
+                row.append(token)
+            tokens[b] = torch.cat(row, dim=1).cpu()
+    return {b: DecodeTiming(b, best[b], tokens[b]) for b in batch_sizes}
+
+
+def kernel_launches(fn, *args) -> dict[str, int]:
+    """How many times ``fn(*args)`` asked the CUDA driver to launch something, by call
+    (``cudaLaunchKernel`` and its kin, ``cudaGraphLaunch``), from ``torch.profiler``; {} on a
+    machine without CUDA, which launches nothing. (Lesson 10.)"""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with quiet_stderr(), torch.no_grad(), profile(activities=[ProfilerActivity.CPU,
+                                                              ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch")):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
 
 
 # --- does compiling pay? ------------------------------------------------------------------------

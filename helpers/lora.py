@@ -401,6 +401,17 @@ class MultiLoraLayer(nn.Module):
         out.view(batch, -1, self.out_features).baddbmm_(h, self.row_b)
         return out
 
+    def __getattr__(self, name: str):
+        """What the wrapper lacks comes from the base layer (``num_embeddings`` of a wrapped
+        embedding, ``weight`` of a wrapped linear layer), so code that reads those still
+        works on a wrapped model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base":
+                raise
+            return getattr(self.base, name)
+
     def extra_repr(self) -> str:
         return f"adapters={self.lora_a.shape[0] - 1}, rank={self.rank}"
 
@@ -613,9 +624,7 @@ class MultiLora:
         weights = _read_adapter(Path(folder), name)
         modules = dict(self.model.named_modules())
         for path in weights:  # check everything before changing anything
-            if isinstance(modules.get(path), MultiLoraLayer) and path not in self.layers:
-                raise ValueError(f"{path!r} already carries adapters from another MultiLora; "
-                                 f"call its remove() first")
+            self._check_not_taken(path, modules.get(path))
         problem = _mismatch(self.model, name, weights)
         if problem:
             raise ValueError(problem)
@@ -632,11 +641,49 @@ class MultiLora:
         self.names.append(name)
         self.set_rows(None)
 
+    def wrap_all(self) -> list[str]:
+        """Wrap every layer an adapter could adapt (each ``nn.Linear``, GPT-2 ``Conv1D`` and
+        ``nn.Embedding``) now, before any adapter is loaded, and return their paths. Adapters
+        loaded later then only fill the stacks: the model's modules stay the same objects.
+        A compiled model needs this (lesson 10): torch guards on each module's type, so a
+        layer wrapped after compiling would send every step back to the compiler. With no
+        row using an adapter, a wrapped layer is just its base layer."""
+        from transformers.pytorch_utils import Conv1D
+
+        wrappers = []
+        for path, module in list(self.model.named_modules()):
+            if not path or any(path.startswith(w + ".") for w in wrappers):
+                continue                                 # the base layer inside a wrapper
+            if isinstance(module, MultiLoraLayer):
+                wrappers.append(path)
+            if path not in self.layers and isinstance(module, (nn.Linear, Conv1D, nn.Embedding,
+                                                               MultiLoraLayer)):
+                self._check_not_taken(path, module)
+                self._wrap(path, module)
+        self.set_rows(None)
+        return list(self.layers)
+
+    def _check_not_taken(self, path: str, module) -> None:
+        """ValueError when the layer at ``path`` carries another MultiLora's adapters (a
+        wrapper that holds none may be shared: it changes nothing)."""
+        if (isinstance(module, MultiLoraLayer) and path not in self.layers
+                and module.lora_a.shape[0] > 1):
+            raise ValueError(f"{path!r} already carries adapters from another MultiLora; "
+                             f"call its remove() first")
+
     def _wrap(self, path: str, base: nn.Module) -> None:
-        parent_path, _, attr = path.rpartition(".")
-        parent = self.model.get_submodule(parent_path) if parent_path else self.model
-        layer = MultiLoraLayer(base, n_adapters=len(self.names))
-        setattr(parent, attr, layer)
+        """Wrap the layer at ``path`` (or take over a wrapper that holds no adapter yet), with
+        a zero entry for each adapter loaded so far."""
+        if isinstance(base, MultiLoraLayer):
+            layer = base
+            for _ in self.names:
+                layer.add_adapter(torch.zeros(layer.in_features, 0),
+                                  torch.zeros(0, layer.out_features))
+        else:
+            layer = MultiLoraLayer(base, n_adapters=len(self.names))
+            parent_path, _, attr = path.rpartition(".")
+            parent = self.model.get_submodule(parent_path) if parent_path else self.model
+            setattr(parent, attr, layer)
         self.layers[path] = layer
 
     def stack_indices_for(self, rows) -> torch.Tensor:

@@ -122,8 +122,10 @@ def check_server() -> tuple[str, int]:
     from helpers import serve_in_background
 
     start = time.perf_counter()
-    # Its defaults, compiling included (lesson 10): tens of seconds on a slow laptop.
+    # Its defaults, compiling included (lesson 10): tens of seconds on a slow laptop. The wait
+    # follows the start-up's stages (180 s at most for one of them).
     server = serve_in_background(threads=1, name="check-setup", timeout=180)
+    started = time.perf_counter() - start
     try:
         port = int(server.url.rsplit(":", 1)[1])
         reply = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False,
@@ -139,8 +141,8 @@ def check_server() -> tuple[str, int]:
     step = ("its model step compiled" if compiled else
             "its model step eager: torch.compile failed here (a C++ compiler missing?), "
             "lesson 10's compiled runs will fail too")
-    return (f"the course server starts, answers ('Jack and Jill' →{text!r}) and stops "
-            f"({seconds:.0f} s; {step})"), port
+    return (f"the course server starts in {started:.0f} s, answers ('Jack and Jill' →"
+            f"{text!r}) and stops ({seconds:.0f} s in all; {step})"), port
 
 
 def check_port(port: int) -> str:

@@ -219,7 +219,7 @@ def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
                                        "sequence (helpers/paged/batching.py)"],
               ps.OUR_SCHEDULER: decode + ["grow (helpers/paged/blocks.py)"],
               ps.OUR_SAMPLER: decode + ["choose (helpers/server/paged_engine.py)",
-                                        "_choose (helpers/server/engine.py)"],
+                                        "__call__ (helpers/server/choosing.py)"],
               ps.BLOCKED: loop[:2] + ["wait (threading.py)"]}
     for expected, frames in engine.items():
         assert ps.our_category(frames, "engine") == expected, frames

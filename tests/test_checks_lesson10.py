@@ -316,3 +316,99 @@ def test_break_even_check_says_not_written_for_a_stub():
 def test_break_even_check_catches(mistake):
     assert_caught(check_break_even, mistake, symptom=BREAK_EVEN_MISTAKES[mistake],
                   fallback=break_even_tokens)
+
+
+# ---- replay: the lesson's solution and typical mistakes ---------------------------------------
+
+def lesson_replay(graphs, token, position, pad_token_id):             # as in the lesson
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def assigns_new_buffers(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token = pad_batch(token, graph.size, pad_token_id)
+    graph.position = position
+    return graph.replay()[:token.shape[0]]
+
+
+def forgets_the_position(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    return graph.replay()[:token.shape[0]]
+
+
+def forgets_the_tokens(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def always_the_largest_graph(graphs, token, position, pad_token_id):
+    graph = graphs[max(graphs)]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def returns_the_padding_too(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.replay()
+
+
+def never_replays(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.output[:token.shape[0]]
+
+
+def replays_twice(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    graph.replay()
+    return graph.replay()[:token.shape[0]]
+
+
+def returns_a_list(graphs, token, position, pad_token_id):
+    return lesson_replay(graphs, token, position, pad_token_id).tolist()
+
+
+REPLAY_MISTAKES = {
+    assigns_new_buffers: "copy into them",
+    forgets_the_position: "copy the new one into graph.position",
+    forgets_the_tokens: "does not hold the batch's tokens",
+    always_the_largest_graph: "smallest size that holds it",
+    returns_the_padding_too: "the batch's rows only",
+    never_replays: "call graph.replay()",
+    replays_twice: "2 time(s)",
+    returns_a_list: "should return a tensor",
+}
+
+
+def test_replay_check_passes_the_course_functions():
+    from helpers.checks import check_replay
+    from helpers.compilation import replay_step
+
+    assert_passes(check_replay, lesson_replay)
+    assert_passes(check_replay, replay_step)
+
+
+def test_replay_check_says_not_written_for_a_stub():
+    from helpers.checks import check_replay
+    from helpers.compilation import replay_step
+
+    assert_not_written(check_replay, fallback=replay_step)
+
+
+@pytest.mark.parametrize("mistake", list(REPLAY_MISTAKES), ids=lambda f: f.__name__)
+def test_replay_check_catches(mistake):
+    from helpers.checks import check_replay
+    from helpers.compilation import replay_step
+
+    assert_caught(check_replay, mistake, symptom=REPLAY_MISTAKES[mistake], fallback=replay_step)

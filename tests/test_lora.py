@@ -188,6 +188,53 @@ def test_per_row_layers_equal_peft_on_gpt2_conv1d(tmp_path):
                         "What comes up"])
 
 
+def test_layers_wrapped_before_any_adapter_keep_their_objects_and_answers(tmp_path):
+    """wrap_all (what a compiled server does before compiling) wraps every Linear, Conv1D and
+    Embedding at once; adapters loaded later fill the stacks without replacing a module, and
+    answer as adapters loaded the usual way. An empty wrapper can be taken over by another
+    MultiLora; one that holds adapters cannot."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    from helpers import load_tokenizer
+    from helpers.lora import MultiLora
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
+                        n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).eval()
+    folders = {"attn": _save_random_adapter(model, tmp_path / "a", 4, ["c_attn", "c_proj"], 1),
+               "ends": _save_random_adapter(model, tmp_path / "c", 3, ["wte", "lm_head"], 3)}
+    adaptable = [path for path, m in model.named_modules()
+                 if isinstance(m, (torch.nn.Linear, Conv1D, torch.nn.Embedding))]
+    batch = tokenizer(["Jack and Jill", "Humpty Dumpty sat"], return_tensors="pt", padding=True)
+
+    wrapped = copy.deepcopy(model)
+    lora = MultiLora(wrapped)
+    assert sorted(lora.wrap_all()) == sorted(adaptable)      # wte, wpe, lm_head, 4 per block
+    assert wrapped.get_input_embeddings().num_embeddings == len(tokenizer)  # from the base
+    modules = dict(wrapped.named_modules())
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(**batch).logits, model(**batch).logits)
+        for name, folder in folders.items():
+            lora.add(name, folder)
+        assert all(modules[path] is wrapped.get_submodule(path) for path in adaptable)
+        usual = copy.deepcopy(model)
+        usual_lora = load_adapters(usual, folders)
+        for rows in (["attn", "ends"], [None, "attn"], None):
+            lora.set_rows(rows)
+            usual_lora.set_rows(rows)
+            torch.testing.assert_close(wrapped(**batch).logits, usual(**batch).logits)
+
+    empty = copy.deepcopy(model)
+    MultiLora(empty).wrap_all()
+    second = load_adapters(empty, {"attn": folders["attn"]})   # takes the empty wrappers over
+    assert set(second.layers) == {p for p in adaptable if p.endswith(("c_attn", "c_proj"))}
+    with pytest.raises(ValueError, match="already carries adapters from another MultiLora"):
+        MultiLora(empty).wrap_all()
+
+
 def test_multi_lora_errors(tiny_llama, tmp_path):
     model, tokenizer = tiny_llama
     model = copy.deepcopy(model)

@@ -20,7 +20,7 @@ import torch
 from ..compilation import CountingBackend, break_even_tokens, capture_size, pad_batch
 from .core import Hint, expect_equal, run_check
 
-__all__ = ["check_break_even", "check_capture_size", "check_counting_backend",
+__all__ = ["check_break_even", "check_capture_size", "check_counting_backend", "check_replay",
            "check_pad_batch"]
 
 
@@ -273,3 +273,104 @@ def check_break_even(learner_break_even_tokens):
     print one line and return the function the rest of the lesson should use."""
     return run_check("break_even_tokens", learner_break_even_tokens, _break_even_cases,
                      fallback=break_even_tokens)
+
+
+# ---- replay (CUDA graphs: the copy-in and the choice of graph) -----------------------------------
+
+class _RecordedStep:
+    """A stand-in for one ``StepGraph`` of ``size`` rows, for the check: its buffers, and a
+    "replay" that computes each row's next token from the buffers' contents alone (row by row,
+    as a decode step does), counting the replays. Any change of a buffer's address is seen."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.token = torch.zeros(size, 1, dtype=torch.long)
+        self.position = torch.zeros(1, dtype=torch.long)
+        self.output = torch.zeros(size, 1, dtype=torch.long)
+        self.replays = 0
+        self._recorded = (self.token, self.position, self.output)
+
+    def replay(self):
+        self.replays += 1
+        token, position, output = self._recorded      # what a graph reads: the recorded ones
+        output.copy_((token * 7 + position * 3 + 1) % 101)
+        return output
+
+
+def _recorded_graphs(sizes=(1, 8, 64)) -> dict:
+    return {size: _RecordedStep(size) for size in sizes}
+
+
+def _replay_cases(learner, cases):
+    from ..compilation import replay_step
+
+    pad = 0
+    for label, batch, position in [("a batch that is a capture size (8 rows)", 8, 5),
+                                   ("a batch padded up to a capture size (3 rows into 8)", 3, 9),
+                                   ("a batch of one row", 1, 12),
+                                   ("a batch padded up to the largest size (33 rows)", 33, 4)]:
+        with cases(label):
+            generator = torch.Generator().manual_seed(batch)
+            token = torch.randint(1, 100, (batch, 1), generator=generator)
+            before = token.clone()
+            graphs, reference = _recorded_graphs(), _recorded_graphs()
+            expected = replay_step(reference, token, torch.tensor([position]), pad)
+            got = learner(graphs, token, torch.tensor([position]), pad)
+            size = capture_size(batch, list(graphs))
+            if any(g.token is not g._recorded[0] or g.position is not g._recorded[1]
+                   for g in graphs.values()):
+                raise Hint("a graph reads the tensors it recorded: copy into them "
+                           "(graph.token.copy_(...), graph.position.copy_(...)); assigning a new "
+                           "tensor to graph.token leaves the graph reading the old one")
+            replayed = {s: g.replays for s, g in graphs.items() if g.replays}
+            if not replayed:
+                raise Hint("no graph was replayed: after copying the inputs in, call "
+                           "graph.replay() and read its output")
+            if replayed != {size: 1}:
+                raise Hint(f"the batch of {batch} rows replayed the graph(s) of "
+                           f"{sorted(replayed)} rows {sum(replayed.values())} time(s); replay "
+                           f"once the graph of the smallest size that holds it, {size} rows "
+                           f"(capture_size)")
+            if not torch.equal(token, before):
+                raise Hint("replay changed the token tensor it was given: copy it into the "
+                           "graph's buffer, do not write into it")
+            if not isinstance(got, torch.Tensor):
+                raise Hint(f"replay should return a tensor (the graph's output rows), got "
+                           f"{type(got).__name__}")
+            if got.shape == (size, 1) and size != batch:
+                raise Hint(f"replay returned all {size} rows of the graph's output; return the "
+                           f"batch's rows only, output[:{batch}] (the rest are padding)")
+            if got.dtype != expected.dtype or got.device != expected.device:
+                raise Hint(f"replay returned {got.dtype} on {got.device}; the graph's output "
+                           f"is {expected.dtype} on {expected.device}: return it as it is")
+            if tuple(got.shape) != (batch, 1):
+                raise Hint(f"replay returned shape {tuple(got.shape)}, expected ({batch}, 1): "
+                           f"the first {batch} rows of the graph's output")
+            graph = graphs[size]
+            if not torch.equal(graph.position, torch.tensor([position])):
+                raise Hint("the graph still holds the previous position: copy the new one into "
+                           "graph.position before the replay")
+            if not torch.equal(graph.token[:batch], token):
+                raise Hint("the graph's token buffer does not hold the batch's tokens: copy "
+                           "them into its first rows (pad_batch(token, graph.size, pad_token_id)"
+                           " makes the rows below them) before the replay")
+            if not torch.equal(got, expected):
+                raise Hint("the rows returned are not the replay's output for this batch")
+    with cases("two steps in a row: the second replay reads the second step's inputs"):
+        graphs = _recorded_graphs()
+        first = learner(graphs, torch.tensor([[5], [6]]), torch.tensor([3]), pad).clone()
+        second = learner(graphs, torch.tensor([[7], [8]]), torch.tensor([4]), pad)
+        want = replay_step(_recorded_graphs(), torch.tensor([[7], [8]]), torch.tensor([4]), pad)
+        if torch.equal(second, first) or not torch.equal(second, want):
+            raise Hint("the second step gave the first step's tokens: copy each step's token "
+                       "and position into the graph's buffers before every replay")
+
+
+def check_replay(learner_replay):
+    """Lesson 10: check the learner's ``replay(graphs, token, position, pad_token_id)`` (the
+    copy-in, the choice of graph, the replay, the batch's rows) on stand-in graphs that notice
+    a buffer replaced instead of filled; print one line and return the function the rest of
+    the lesson should use."""
+    from ..compilation import replay_step
+
+    return run_check("replay", learner_replay, _replay_cases, fallback=replay_step)

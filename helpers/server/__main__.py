@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     from .engine_process import EngineProcess, build_engine
 
     settings = {name: getattr(args, name) for name in
-                ("model", "device", "dtype", "threads", "kv_cache", "compile", "log_level",
-                 *options.ENGINE_OPTIONS)}
+                ("model", "device", "dtype", "threads", "kv_cache", "compile", "cuda_graphs",
+                 "cuda_graph_sizes", "log_level", *options.ENGINE_OPTIONS)}
     settings["adapters_dir"] = args.adapters      # None: the course's (build_engine says which)
     settings["model_id"] = args.model or os.environ.get("COURSE_MODEL") or "bundled"
     gave_up = []

@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from .options import DEFAULTS, command_line, describe
+from .startup import STAGE
 
 #: The servers this process started and has not stopped yet, by name.
 _RUNNING: dict[str, "BackgroundServer"] = {}
@@ -72,22 +73,41 @@ class BackgroundServer:
         return self.port is not None
 
     def wait(self, timeout: float = 120.0) -> "BackgroundServer":
-        """Wait until the server answers ``GET /health``; ``RuntimeError`` (with the server's
-        last lines) if it exits or does not answer within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        """Wait until the server answers ``GET /health``. The server logs each stage of its
+        start-up as it begins (loading the model, compiling each graph of its step, capturing
+        each CUDA graph: ``stage()``), and the clock restarts at each: ``timeout`` is the most
+        seconds one stage may take, so a slow machine that is getting on is waited for.
+        ``RuntimeError`` (naming the stage, with the server's last lines) if the server exits,
+        or stays at one stage longer than that."""
+        stage, since = self.stage(), time.monotonic()
         try:
-            while time.monotonic() < deadline and self.process.poll() is None:
+            while self.process.poll() is None:
                 if self._read_port() and self.healthy(timeout=1.0):
                     return self
+                now, latest = time.monotonic(), self.stage()
+                if latest != stage:
+                    stage, since = latest, now
+                elif now - since > timeout:
+                    break
                 time.sleep(0.1)
             reason = (f"it exited with code {self.process.returncode}"
                       if self.process.poll() is not None
-                      else f"it did not answer /health within {timeout:g} s")
+                      else f"it stayed at '{stage}' for {timeout:g} s")
             raise RuntimeError(f"the server did not start: {reason}. Its last lines:\n"
                                f"{self.logs()}")
         except BaseException:
             self.stop(timeout=5)
             raise
+
+    def stage(self) -> str:
+        """What the server's start-up is doing now: its last "start-up:" line (the process
+        itself starting, before it has logged any)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        lines = [line.split(STAGE, 1)[1] for line in text.splitlines() if STAGE in line]
+        return lines[-1].strip() if lines else "starting the process"
 
     @property
     def pid(self) -> int:
@@ -167,9 +187,11 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     name:    a server started under a name replaces the one started before under that name
              (so re-running a notebook cell does not leave the old server behind).
     wait:    False returns at once; call ``.wait()`` before using ``.url``.
+    timeout: the most seconds one stage of the start-up may take (``BackgroundServer.wait``:
+             the server logs each stage, and the wait follows them).
     Raises ``ValueError`` for a name that is not an option (before starting anything), and
-    ``RuntimeError`` with the server's last lines if it does not come up in ``timeout`` (and
-    stops it).
+    ``RuntimeError`` with the stage it stuck in and the server's last lines if it does not
+    come up (and stops it).
 
     The options:
     """

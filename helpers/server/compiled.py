@@ -30,14 +30,15 @@ few fused kernels. What keeps it to a few traces, not one per step:
 * **the rest stays eager.** Batches in which a row uses a LoRA adapter run lesson 08's
   ``paged_next_token`` unchanged: lesson 06's adapters work per row of a padded batch.
 
-On a GPU the same step could be captured as a CUDA graph (``mode="reduce-overhead"``), which
-needs fixed shapes: vLLM pads the batch up to a few *capture sizes* and captures one graph for
-each. On a CPU there is no graph to replay, and nothing is padded here.
+On a GPU each kernel is also a launch from the CPU, and a decode step of a small model is
+bound by those launches: ``graphs.py`` captures the decode step as CUDA graphs, one per
+*capture size*, and pads each decode batch up to the next size (lesson 10).
 
-Every compile is counted (``compiles`` and ``compile_seconds`` in ``/metrics``): after the
-warm-up the count should not move. If it does past ``MAX_COMPILES`` (an adapter loaded into
-the model, a model torch cannot trace without breaks), the engine logs it and runs eager from
-then on, rather than stall the batch for each new trace.
+Every compile is counted (``compiles`` and ``compile_seconds`` in ``/metrics``), and none
+happens after start-up: once the server is ready (``seal``), a step that would need a new
+graph runs eager instead, and is counted (``steps_eager_instead``), rather than stall every
+client's stream for the seconds a compile takes. (The layers an adapter could change are
+wrapped before compiling, so loading an adapter changes nothing the graphs were traced from.)
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ import torch.nn.functional as F
 from ..batching import take_token
 from ..paged import KVPool, PagedBatch
 from ..paged.batching import _book
+from . import startup
 from ..paged.batching import _tokens_to_feed as tokens_to_feed
 
 log = logging.getLogger("helpers.server")
 
 #: The name the compiled step's attention function is registered under with transformers.
 COMPILED_ATTENTION = "course_paged_compiled"
-#: Compiles after which the engine stops using the compiled step: the warm-up makes three, and
-#: the first LoRA adapter (whose wrapped layers torch traces again) up to three more.
-MAX_COMPILES = 9
+#: The three kinds of step, each compiled at start-up: (what it is, starts, counts). Sizes that
+#: differ from one another (T, R, Q, L), so that torch does not take two of them for one (it
+#: would guard on their being equal).
+WARM_UP = (("the decode step of one row", [2], [1]),
+           ("every decode step of two rows or more", [4, 0, 0], [1, 1, 1]),
+           ("every step that reads prompts", [2, 0], [3, 1]))
 
 
 @dataclass
@@ -91,17 +96,18 @@ class PackedInputs:
 
     @classmethod
     def build(cls, pool: KVPool, scratch: int, tables: list[list[int]], starts: list[int],
-              counts: list[int], device) -> "PackedInputs":
+              counts: list[int], device, length: int | None = None) -> "PackedInputs":
         """Row r already has ``starts[r]`` tokens in its blocks ``tables[r]`` and now feeds
         ``counts[r]`` new ones (as lesson 08's ``PagedForward.build``); ``scratch`` is the pool
-        index that padding reads."""
+        index that padding reads. ``length`` fixes L (a CUDA graph's shapes never change);
+        by default L is the longest history."""
         size = pool.block_size
         starts, counts = torch.tensor(starts), torch.tensor(counts)
         ends = starts + counts
         width = max(len(table) for table in tables)
         table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
         # L is at least 2: a history of one token would be a graph of its own.
-        positions = torch.arange(max(2, int(ends.max())))
+        positions = torch.arange(length or max(2, int(ends.max())))
         read = table[:, (positions // size).clamp(max=width - 1)] * size + positions % size
         read = torch.where(positions[None, :] < ends[:, None], read, scratch)
         # Each new token: its row, its position; where it sits among the T and the R * Q.
@@ -199,6 +205,8 @@ class PackedStep:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.compiled = compile
+        self.sealed = False          # after start-up: a step that needs a new graph runs eager
+        self.eager_instead = 0       # steps that did (each would have been a compile)
         self._forward = self._run_model
         if compile:
             self._forward = torch.compile(self._run_model, backend=self._counting_backend)
@@ -216,20 +224,27 @@ class PackedStep:
         return compiled
 
     def warm_up(self) -> None:
-        """Compile the step for the three kinds of step there are: one row feeds one token
-        (the decode step of a single request), every row feeds one token (decode), some row
-        feeds several (prompts). Only the scratch block is read and written: no request's keys
-        or values are touched."""
+        """Compile the step for the three kinds of step there are (``WARM_UP``), saying each
+        in the log as it starts and ends. Only the scratch block is read and written: no
+        request's keys or values are touched."""
         start = time.perf_counter()
         block = self.scratch // self.pool.block_size
-        # (starts, counts): sizes that differ from one another (T, R, Q, L), so that torch
-        # does not take two of them for one (it would guard on their being equal).
-        shapes = [([4, 0, 0], [1, 1, 1]), ([2, 0], [3, 1]), ([2], [1])]
         with torch.inference_mode():
-            for starts, counts in shapes:
+            for number, (what, starts, counts) in enumerate(WARM_UP, 1):
+                began = time.perf_counter()
+                startup.report("compiling graph %d of %d (%s)", number, len(WARM_UP), what)
                 self._run(starts, counts, [[block]] * len(counts), [self.pad_id] * sum(counts))
+                startup.report("graph %d of %d compiled in %.1f s", number, len(WARM_UP),
+                               time.perf_counter() - began)
         log.warning("compiled the model's step in %.1f s (%d graphs; --compile off skips it)",
                     time.perf_counter() - start, self.compiles)
+
+    def seal(self) -> None:
+        """Start-up is over: from now on a step that would need a graph the warm-up did not
+        make runs eager instead (and is counted in ``eager_instead``), so that no request ever
+        waits for a compile. (Compiling takes seconds; one client's odd request would freeze
+        every other client's stream for that long.)"""
+        self.sealed = True
 
     def run_eager(self, why: str) -> None:
         """From now on, run the model eager (and say why in the log)."""
@@ -238,28 +253,30 @@ class PackedStep:
 
     def usable(self, batch: PagedBatch) -> bool:
         """This step takes any batch in which no row uses a LoRA adapter (lesson 06's
-        adapters work per row of a padded batch: those batches take lesson 08's path). Once
-        compiling has gone out of bounds, it runs eager."""
-        if self.compiled and self.compiles > MAX_COMPILES:
-            self.run_eager(f"the step was compiled {self.compiles} times")
+        adapters work per row of a padded batch: those batches take lesson 08's path)."""
         return len(batch) > 0 and not any(batch.adapters)
 
     # --- one step ---------------------------------------------------------------------------
 
-    def step(self, batch: PagedBatch, cache, choose, max_prefill_tokens: int | None) -> None:
+    def step(self, batch: PagedBatch, cache, choose, max_prefill_tokens: int | None,
+             graph=None) -> None:
         """``paged_next_token`` with the rows' new tokens packed: which rows feed how many
         tokens (the prompt budget ``max_prefill_tokens``, as there), room in the pool, the model
         (compiled or eager), the booking, and ``choose`` (as in ``paged_next_token``) for each
-        row that has read all its tokens."""
+        row that has read all its tokens. ``graph``: a decode step's CUDA graphs
+        (``graphs.GraphedDecode``), which then run the model in place of ``_run``."""
         rows, counts = tokens_to_feed(batch, max_prefill_tokens)
         starts = [batch.computed[row] for row in rows]
         tables = [cache.manager.grow(batch.request_ids[row], start + new)
                   for row, start, new in zip(rows, starts, counts)]
         ids = [token for row, start, new in zip(rows, starts, counts)
                for token in batch.sequence(row)[start:start + new]]
-        if len(rows) == 1 and counts[0] > 1:     # see _scratch_row
-            self._scratch_row(starts, counts, tables, ids)
-        logits = self._run(starts, counts, tables, ids)
+        if graph is not None:                    # one token a row: replay a captured step
+            logits = graph.run(starts, tables, ids)
+        else:
+            if len(rows) == 1 and counts[0] > 1:     # see _scratch_row
+                self._scratch_row(starts, counts, tables, ids)
+            logits = self._run(starts, counts, tables, ids)
         for row, new in zip(rows, counts):
             _book(cache, batch, row, new)
         ready = [i for i, row in enumerate(rows)     # not in the middle of a longer prompt
@@ -307,7 +324,20 @@ class PackedStep:
         config = self.model.config        # the attention function the model's layers call
         previous, config._attn_implementation = config._attn_implementation, COMPILED_ATTENTION
         try:
-            return self._forward(ids, paged)
+            if not (self.sealed and self.compiled):
+                return self._forward(ids, paged)
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._forward(ids, paged)
+            except RuntimeError as err:
+                if "fail_on_recompile" not in str(err):
+                    raise
+                if not self.eager_instead:
+                    log.warning("a step needed a graph that start-up did not compile; it ran "
+                                "eager instead (so do any such steps from now on): %s",
+                                str(err).splitlines()[0])
+                self.eager_instead += 1
+                return self._run_model(ids, paged)
         finally:
             config._attn_implementation = previous
 

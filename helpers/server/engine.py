@@ -46,18 +46,19 @@ from collections import Counter, defaultdict, deque
 
 import torch
 
-from ..batching import (Batch, batch_from_token_ids, filter_batch, generate_next_token,
-                        merge_batches, model_context)
+from ..batching import Batch, filter_batch, generate_next_token, merge_batches, model_context
 from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore
 from .admission import Admission, Admitted
-from .contract import (ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, Sink,
-                       Submission, TokenEvent)
+from .choosing import TokenChooser
+from .contract import (ErrorEvent, Finish, GenerationParams, Handle, Sink, Submission,
+                       TokenEvent)
 from .detok import IncrementalDecoder
 from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
 from .options import DEFAULTS
+from .scheduling import prefill_batches, take_waiting
 
 log = logging.getLogger("helpers.server")
 
@@ -229,6 +230,8 @@ class Engine:
         self.eos_text = (tokenizer.convert_ids_to_tokens(self.eos_id)
                          if self.eos_id is not None else "")
         self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+        #: Each row's next token by its own rules (``choosing.py``).
+        self.choose = TokenChooser(tokenizer, self.eos_id, self.pad_id)
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
         self._cond = threading.Condition()      # guards the waiting queue and the flags
@@ -388,8 +391,9 @@ class Engine:
         #    into the running batch. (Requests that want their prompt scored get a batch of
         #    their own, which keeps the logits of every position.)
         with self._cond:
-            new = self._take_waiting()
-        for prefill, keep in self._new_batches(new):
+            new = take_waiting(self._waiting, self.max_batch_size - len(self._rows), self.stats)
+        self._rows.update((request.id, request) for request in new)
+        for prefill, keep in prefill_batches(new, self.pad_id):
             self._generate(prefill, "prefill", logits_to_keep=keep)
             self._batch = merge_batches(self._batch, filter_batch(prefill))
         # 3. One decode step: every running row, new or old, gets its next token; the rows
@@ -397,17 +401,6 @@ class Engine:
         if len(self._batch):
             self._generate(self._batch, "decode")
             self._batch = filter_batch(self._batch)
-
-    def _take_waiting(self) -> list[Request]:
-        free = self.max_batch_size - len(self._rows)
-        taken = []
-        while self._waiting and len(taken) < free:
-            request = self._waiting.popleft()
-            if request.cancelled:
-                self.stats["cancelled"] += 1
-                continue
-            taken.append(request)
-        return taken
 
     def _drop_cancelled(self) -> None:
         batch = self._batch
@@ -420,25 +413,6 @@ class Engine:
                 self.stats["cancelled"] += 1
         self._batch = filter_batch(batch)
 
-    def _new_batches(self, requests: list[Request]) -> list[tuple[Batch, int]]:
-        """The new requests as batches (lesson 03's ``init_batch``, from token ids), each with
-        the logits its prefill keeps: the last position only, or every position (0) for the
-        requests that asked for their prompt's log probabilities, which get a batch each so
-        that nobody else's logits are kept."""
-        for request in requests:
-            self._rows[request.id] = request
-        scoring = [[r] for r in requests if r.params.prompt_logprobs]
-        others = [r for r in requests if not r.params.prompt_logprobs]
-        batches = []
-        # Each scoring request alone: its logits are bounded at admission (MAX_SCORING_BYTES).
-        for group, keep in [(others, 1)] + [(one, 0) for one in scoring]:
-            if group:
-                batch = batch_from_token_ids(
-                    [r.prompt_ids for r in group], [max(1, r.max_new_tokens) for r in group],
-                    [r.id for r in group], self.pad_id)
-                batches.append((batch, keep))
-        return batches
-
     def _generate(self, batch: Batch, kind: str, logits_to_keep: int = 1) -> None:
         """Lesson 03's ``generate_next_token`` on ``batch`` with each row's adapter and our
         chooser; then every row's event goes out and finished rows are marked done."""
@@ -450,7 +424,7 @@ class Engine:
         outgoing: list = []
 
         def choose(logits):
-            return self._choose(rows, logits, outgoing, score=logits_to_keep == 0)
+            return self.choose(rows, logits, outgoing, score=logits_to_keep == 0)
 
         # EOS is handled by Request.accept (per row: ignore_eos, grammars), not by the helper.
         generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
@@ -460,88 +434,7 @@ class Engine:
         self.stats["tokens"] += len(rows)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
-    # --- 4a. choosing tokens --------------------------------------------------------------------
-
-    def _choose(self, rows: list[Request], logits: torch.Tensor, outgoing: list,
-                score: bool = False) -> list[int]:
-        """The chooser given to ``generate_next_token``: each row's next token, by its own
-        rules. ``logits`` is (rows, positions, vocab); ``score``: the prefill kept every
-        position to score the prompts (a one-token prompt has one position and is scored
-        too). A row whose choice fails gets
-        ``error`` set (and padding as its token): it fails alone."""
-        if score:
-            for i, row in enumerate(rows):
-                # The prompt sits in the last columns (padding is on the left).
-                self._guarded(row, self._score_prompt, row, logits[i, -len(row.prompt_ids):],
-                              outgoing)
-        last = logits[:, -1, :].float()
-        if any(row.adjusts_logits for row in rows):
-            last = last.clone()
-            for i, row in enumerate(rows):
-                if row.adjusts_logits:
-                    self._guarded(row, self._adjust, row, last[i])
-        logprobs = torch.log_softmax(last, dim=-1)
-        tokens = sampling.greedy(last)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=last.device)[:, None])
-        chosen = chosen.squeeze(1).tolist()
-        broken = (torch.isnan(last).any(dim=-1) | torch.isposinf(last).any(dim=-1)).tolist()
-        for i, row in enumerate(rows):
-            if broken[i]:
-                self._guarded(row, sampling.check_finite, last[i])
-            if row.error is None:
-                self._guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
-        return [row.choice[0] if row.error is None and row.choice[0] is not None
-                else self.pad_id for row in rows]
-
-    @staticmethod
-    def _guarded(row: Request, function, *args) -> None:
-        """Run one row's part of the choice; an exception fails that row, not the batch."""
-        if row.error is not None:
-            return
-        try:
-            function(*args)
-        except Exception as err:
-            row.error = err
-
-    def _score_prompt(self, row: Request, logits: torch.Tensor, outgoing: list) -> None:
-        """The PromptEvent: every prompt token's logprob, from the logits at its positions."""
-        tokens = sampling.prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
-                                          row.params.alternatives)
-        outgoing.append((row, PromptEvent(tokens)))
-
-    def _adjust(self, row: Request, logits: torch.Tensor) -> None:
-        """A row's logits after its penalties, its logit bias and its grammar's mask."""
-        params = row.params
-        if row.penalty is not None:
-            sampling.repetition_penalty(logits, row.prompt_ids + row.ids, row.penalty)
-        if params.frequency_penalty or params.presence_penalty:
-            sampling.frequency_presence_penalty(logits, row.counts, params.frequency_penalty,
-                                                params.presence_penalty)
-        if params.logit_bias:
-            sampling.add_logit_bias(logits, params.logit_bias)
-        if row.matcher is not None:
-            budget = row.max_new_tokens - row.count - 1   # tokens left after this one
-            row.matcher.apply(logits, budget)
-
-    def _pick(self, row: Request, token: int, logprob: float, logits: torch.Tensor,
-              logprobs: torch.Tensor) -> None:
-        """Set ``row.choice``: the greedy ``token`` unless the row samples, its logprob, and
-        the top alternatives if asked."""
-        if row.max_new_tokens == 0:                 # prefill only: nothing is chosen
-            row.choice = (None, None, None)
-            return
-        if row.matcher is not None and not torch.isfinite(logits).any():
-            row.choice = (self.eos_id, 0.0, None)   # the grammar allows nothing: stop
-            return
-        if row.generator is not None:              # the row samples
-            token, logprob = sampling.sample(logits, row.params, row.generator)
-        alternatives = None
-        if row.params.alternatives:
-            alternatives = sampling.top_alternatives(logprobs, row.params.alternatives,
-                                                     self.tokenizer)
-        row.choice = (token, logprob, alternatives)
-
-    # --- 4b. handing out tokens -----------------------------------------------------------
+    # --- 4. handing out tokens --------------------------------------------------------------
 
     def _hand_out(self, batch, rows: list[tuple[int, Request]], outgoing: list) -> None:
         """After a forward pass: each row's event (its token, or its failure) goes out; the

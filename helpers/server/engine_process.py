@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as NoAnswerYet   # Python 3.10: not TimeoutError
 from dataclasses import dataclass, field
 
-from . import errors
+from . import errors, startup
 from .contract import ErrorEvent, Handle, Sink, Submission
 
 log = logging.getLogger("helpers.server")
@@ -162,14 +162,21 @@ def build_engine(settings: dict):
 
     from ..models import load_model
     from .engine import Engine
+    from .graphs import parse_sizes
     from .options import ENGINE_OPTIONS
     from .paged_engine import PagedEngine
 
     paged = settings["kv_cache"] == "paged"
     compile = settings.get("compile", "auto")
+    cuda_graphs = settings.get("cuda_graphs", "auto")
     if compile == "on" and not paged:
         raise ValueError("--compile on needs --kv-cache paged: the compiled step runs on "
                          "lesson 08's pool of KV blocks, whose shape never changes")
+    if cuda_graphs == "on" and not paged:
+        raise ValueError("--cuda-graphs on needs --kv-cache paged: a graph replays on "
+                         "lesson 08's pool of KV blocks, whose address never changes")
+    sizes = parse_sizes(settings.get("cuda_graph_sizes") or "1,2,4,8,16,32,64")
+    startup.report("loading the model")
     model, tokenizer = load_model(settings["model"], device=settings["device"],
                                   dtype=settings["dtype"])
     threads = torch_threads(settings["threads"], model.device)
@@ -181,7 +188,8 @@ def build_engine(settings: dict):
     options = {name: settings[name] for name in ENGINE_OPTIONS}
     if paged:
         return PagedEngine(model, tokenizer, adapters_dir=adapters_dir,
-                           model_id=settings["model_id"], compile=compile, **options)
+                           model_id=settings["model_id"], compile=compile,
+                           cuda_graphs=cuda_graphs, graph_sizes=sizes, **options)
     return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=settings["model_id"],
                   **options)
 
@@ -193,6 +201,7 @@ def run_engine_process(conn, settings: dict) -> None:
     until told to stop or until the HTTP process goes away (its end of the pipe closes)."""
     logging.basicConfig(level=settings["log_level"].upper(),
                         format="%(levelname)s %(name)s (engine): %(message)s")
+    started = time.monotonic()
     try:
         engine = build_engine(settings)
     except ValueError as err:
@@ -204,6 +213,7 @@ def run_engine_process(conn, settings: dict) -> None:
         return
     sys.setswitchinterval(SWITCH_INTERVAL)
     engine.start()
+    startup.report("the engine is ready (%.1f s)", time.monotonic() - started)
     conn.send(Ready({name: getattr(engine, name) for name in LIMITS}))
     _EngineSide(conn, engine).serve()
 

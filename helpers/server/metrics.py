@@ -52,11 +52,25 @@ ENGINE_METRICS = {
     "kv_blocks_total": ("gauge", "KV blocks in the pool (paged KV cache only; 0 otherwise)."),
     "steps_compiled": ("counter", "Steps run by the compiled model (paged KV cache with "
                                   "--compile; lesson 10)."),
-    "compiles": ("counter", "Graphs torch.compile made of the model's step: three at start-up; "
-                            "more means the step was traced again (a recompile)."),
+    "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up "
+                            "(three, and none after)."),
     "compile_seconds": ("counter", "Seconds spent compiling the model's step."),
     "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
                                   "event (with the engine in a process of its own)."),
+    "steps_eager_instead": ("counter", "Steps that needed a graph start-up did not compile "
+                                       "and ran eager instead (nothing compiles after "
+                                       "start-up); 0 unless something unexpected came."),
+    "cuda_graph_captures": ("counter", "CUDA graphs captured, one per capture size, all at "
+                                       "start-up (lesson 10); never more after."),
+    "cuda_graph_replays": ("counter", "Decode steps that replayed a CUDA graph."),
+    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them: rows up to the "
+                                          "capture size, computed for nothing."),
+    "cuda_graph_fallbacks": ("counter", "Steps that ran without a CUDA graph, by reason: "
+                                        "prompt (a row read prompt tokens), adapter (a row "
+                                        "used a LoRA adapter), rows (more rows than the "
+                                        "largest capture size)."),
+    "cuda_graph_memory_bytes": ("gauge", "GPU memory the graphs reserved when captured."),
+    "cuda_graph_capture_seconds": ("counter", "Seconds spent capturing the graphs."),
 }
 
 
@@ -145,8 +159,13 @@ class Metrics:
         for key in sorted(set(ENGINE_METRICS) | set(snapshot)) if snapshot is not None else []:
             kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
             name = PREFIX + key
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
-                      f"{name} {_number(snapshot.get(key, 0))}"]
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+            value = snapshot.get(key, 0)
+            if isinstance(value, dict):       # one sample per reason (a label)
+                lines += [f'{name}{{reason="{reason}"}} {_number(count)}'
+                          for reason, count in sorted(value.items())]
+            else:
+                lines.append(f"{name} {_number(value)}")
         with self._lock:
             responses = sorted(self._responses.items())
         name = PREFIX + "responses"

@@ -60,6 +60,13 @@ OPTIONS: tuple[Option, ...] = (
            "start-up (lesson 10): 'auto' (with --kv-cache paged; eager, with a warning, where "
            "compiling fails, e.g. no C++ compiler), 'on' (fail instead) or 'off'",
            choices=("auto", "on", "off")),
+    Option("cuda_graphs", str, "auto", "replay each decode step as a CUDA graph, one per "
+           "capture size, all captured at start-up (lesson 10; --kv-cache paged): 'auto' (on "
+           "with a CUDA device, off elsewhere, and off with a warning where capturing fails), "
+           "'on' (fail instead) or 'off'", choices=("auto", "on", "off")),
+    Option("cuda_graph_sizes", str, "1,2,4,8,16,32,64", "the capture sizes, comma-separated: "
+           "a decode batch is padded up to the next one (those above --max-batch-size are "
+           "left out; a larger batch runs without a graph)"),
     Option("engine", str, "process", "where the model runs: 'process' (a process of its own, "
            "so that the HTTP side never holds up a step) or 'thread' (a thread of the server's "
            "process: simpler to debug, slower)", choices=("process", "thread")),

@@ -33,6 +33,7 @@ that ask, the prompt is scored by a forward pass of its own when the request is 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -41,12 +42,25 @@ import torch
 from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch, kv_shape,
                      merge_paged_batches, paged_next_token)
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
+from .choosing import guarded
+from ..compilation import CAPTURE_SIZES
 from .compiled import PackedStep
 from .engine import Engine, Request
+from .graphs import GraphedDecode, check_sizes
+
+log = logging.getLogger("helpers.server")
 
 
 #: The most memory the default pool takes (vLLM's CPU build asks for its KV space in GiB too).
 POOL_BYTES = 2**30
+
+
+def _switch(name: str, value) -> str:
+    """"auto", "on" or "off" (True and False stand for the last two); ValueError otherwise."""
+    value = {True: "on", False: "off"}.get(value, value)
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{name} must be 'auto', 'on' or 'off', got {value!r}")
+    return value
 
 
 def default_pool_blocks(model, block_size: int, max_batch_size: int,
@@ -74,14 +88,22 @@ class PagedEngine(Engine):
                         True), "off" (or False), or "auto": on, but eager (with a warning in
                         the log) where compiling fails. Compiling happens here, before the
                         engine answers anything.
-    Every other argument is ``Engine``'s.
+    cuda_graphs:        replay decode steps as CUDA graphs (``graphs.py``, lesson 10): "auto"
+                        (on with a CUDA device, off elsewhere; off with a warning where
+                        capturing fails), "on" (fail instead) or "off"
+    graph_sizes:        the capture sizes (those above ``max_batch_size`` are left out)
+    capture:            how a step is recorded (default: a CUDA graph); the tests pass
+                        ``graphs.rerun_each_replay`` to run everything around the graphs on a
+                        CPU
+    Every other argument is ``Engine``'s. Nothing is compiled or captured after start-up.
     """
 
     kv_cache = "paged"
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, prefix_caching: bool = True,
                  max_prefill_tokens: int | None = 512, num_blocks: int | None = None,
-                 compile: bool | str = False, **options):
+                 compile: bool | str = False, cuda_graphs: bool | str = "off",
+                 graph_sizes=CAPTURE_SIZES, capture=None, **options):
         super().__init__(model, tokenizer, **options)
         if num_blocks is None:
             num_blocks = default_pool_blocks(model, block_size, self.max_batch_size,
@@ -95,11 +117,19 @@ class PagedEngine(Engine):
         check_prefill_budget(max_prefill_tokens)
         # One spare block, which no request owns: the packed step's padding reads it.
         self.cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
-        compile = {True: "on", False: "off"}.get(compile, compile)
-        if compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
+        compile, cuda_graphs = _switch("compile", compile), _switch("cuda_graphs", cuda_graphs)
+        graphs_wanted = cuda_graphs == "on" or (cuda_graphs == "auto"
+                                                and model.device.type == "cuda")
+        if cuda_graphs == "on" and model.device.type != "cuda" and capture is None:
+            raise ValueError(f"cuda_graphs='on' needs a CUDA device; the model is on "
+                             f"{model.device}")
+        sizes = check_sizes(graph_sizes, self.max_batch_size) if graphs_wanted else ()
         self.packed = PackedStep(model, self.cache.pool, num_blocks, self.pad_id,
                                  compile != "off")
+        if compile != "off" or graphs_wanted:
+            # Every layer an adapter could touch is wrapped first, so that loading an adapter
+            # later never changes the model the graphs were traced or captured from.
+            self.adapters.lora.wrap_all()
         if compile != "off":
             try:
                 self.packed.warm_up()
@@ -107,6 +137,18 @@ class PagedEngine(Engine):
                 if compile == "on":
                     raise
                 self.packed.run_eager(f"compiling failed ({type(err).__name__}: {err})")
+        self.graphs = None
+        if graphs_wanted:
+            self.graphs = GraphedDecode(self.packed, self.max_total_tokens, sizes, capture)
+            try:
+                self.graphs.capture_all()
+            except Exception as err:
+                if cuda_graphs == "on":
+                    raise
+                log.warning("capturing CUDA graphs failed (%s: %s): decode steps run without "
+                            "them", type(err).__name__, err)
+                self.graphs = None
+        self.packed.seal()                   # nothing is compiled or captured from now on
         self.stats["steps_compiled"] = 0
         self.max_prefill_tokens = max_prefill_tokens
         self._batch = PagedBatch.empty()    # every admitted row, reading its prompt or not
@@ -162,7 +204,7 @@ class PagedEngine(Engine):
         for rid, adapter in zip(batch.request_ids, batch.adapters):
             row = self._rows[rid]
             if row.params.prompt_logprobs:
-                self._guarded(row, self._score_alone, row, adapter, outgoing)
+                guarded(row, self._score_alone, row, adapter, outgoing)
         self.deliver(outgoing)
 
     def _score_alone(self, row: Request, adapter: str | None, outgoing: list) -> None:
@@ -170,7 +212,7 @@ class PagedEngine(Engine):
         ids = torch.tensor([row.prompt_ids], device=self.device)
         with lora.rows([adapter] if lora.names else None):     # then the rows as they were
             logits = self.model(input_ids=ids, use_cache=False).logits[0]
-        self._score_prompt(row, logits, outgoing)
+        self.choose.score_prompt(row, logits, outgoing)
 
     def _generate(self, batch: PagedBatch) -> None:
         """One forward pass over ``batch`` (the packed step, or lesson 08's ``paged_next_token``
@@ -185,14 +227,21 @@ class PagedEngine(Engine):
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
             chosen.extend(zip(rows, picked))
-            return self._choose(picked, logits, outgoing)
+            return self.choose(picked, logits, outgoing)
 
         lora = self.adapters.lora if self.adapters.lora.names else None
+        graph = None
+        if self.graphs is not None:         # a decode step replays a graph where it can
+            why = self.graphs.why_not(batch)
+            if why is None:
+                graph = self.graphs
+            else:
+                self.graphs.fallbacks[why] += 1
         if self.packed.usable(batch):
             if lora is not None:             # no row uses an adapter: none may be left set
                 lora.set_rows(None)
-            self.packed.step(batch, self.cache, choose, max_prefill_tokens)
-            self.stats["steps_compiled"] += self.packed.compiled
+            self.packed.step(batch, self.cache, choose, max_prefill_tokens, graph)
+            self.stats["steps_compiled"] += self.packed.compiled and graph is None
         else:
             # EOS is handled by Request.accept (per row: ignore_eos, grammars), not the helper.
             paged_next_token(self.model, self.tokenizer, self.cache, batch, False,
@@ -223,13 +272,16 @@ class PagedEngine(Engine):
         blocks in all (the prefix-cache counters are in ``stats``, counted at admission)."""
         manager = self.cache.manager
         compiled = {"compiles": self.packed.compiles,
-                    "compile_seconds": self.packed.compile_seconds}
+                    "compile_seconds": self.packed.compile_seconds,
+                    "steps_eager_instead": self.packed.eager_instead}
+        graphs = self.graphs.snapshot() if self.graphs is not None else {}
         return {**super().snapshot(), "kv_blocks_used": manager.used,
-                "kv_blocks_total": manager.num_blocks, **compiled}
+                "kv_blocks_total": manager.num_blocks, **compiled, **graphs}
 
     def info(self) -> dict:
         return {**super().info(), "kv_block_size": self.cache.block_size,
                 "kv_blocks": self.cache.manager.num_blocks,
                 "prefix_caching": self.cache.prefix_caching,
                 "max_prefill_tokens": self.max_prefill_tokens,
-                "compiled": self.packed.compiled}
+                "compiled": self.packed.compiled,
+                "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else []}

@@ -1,0 +1,241 @@
+"""CUDA graphs for the paged engine's decode steps: each step replayed with one launch.
+(Lessons 08 and 10.)
+
+On a GPU a small model's decode step is bound by kernel launches, not by the GPU: every
+operation is a launch from the CPU (Python, the dispatcher, the driver), and a four-layer
+model's step is about a hundred of them, each taking the CPU longer than the GPU takes to run
+it. A CUDA graph records the launches of one step once and then replays them all with a
+single launch. What it records is fixed, and this module is the bookkeeping that follows:
+
+* **shapes**: a graph serves one batch size. So the decode step is captured once per
+  *capture size* (1, 2, 4, 8, 16, 32, 64 by default), and a decode batch of n rows replays the
+  graph of the smallest size that holds it (lesson 10's ``capture_size``), the rows past n
+  being padding. The longest history L is fixed too: every row reads L pool entries, those
+  past its end masked (``max_total_tokens``, the longest a request may get).
+* **addresses**: the kernels read and write the same memory at every replay. So the step's
+  inputs live in one buffer on the GPU that every graph reads (``inputs``), filled each step
+  by one copy from a twin in pinned host memory (``staging``), and the output is the graph's
+  own tensor, overwritten by the next replay. The KV pool is allocated once (lesson 08), so
+  its address never changes either. Padding rows write their keys and values to the scratch
+  block, which no request owns, and read only from there: nothing reads them back.
+* **nothing else**: a graph replays kernels only, so the captured step may not copy to or
+  from the CPU, wait for the GPU, or depend on values it reads (every such step would be
+  frozen at capture). Steps that read prompts (their lengths vary), rows with a LoRA adapter
+  (lesson 06's per-row adapters gather differently for each batch) and batches above the
+  largest size run as before (``PackedStep``), and each is counted by reason.
+
+Every graph is captured at start-up, after the KV pool exists and the step is compiled,
+largest first, all in one memory pool (a graph's intermediate tensors are its own; one pool
+lets the graphs share that memory, since only one replays at a time). No graph is ever
+captured after start-up: ``run`` replays or the step goes the old way.
+
+On a CPU there is no CUDA graph. ``capture`` is what records a step: ``CudaGraphs()`` by
+default; the tests give ``rerun_each_replay``, which runs the step again at each "replay", to
+check everything around the graphs (sizes, padding, staging, the scratch block, the counts) on
+a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from ..compilation import CAPTURE_SIZES, capture_size
+from . import startup
+from .compiled import PackedInputs, PackedStep
+
+#: The columns of one row of the staging buffer: its new token, that token's position, the
+#: pool index its keys and values go to, its history's length; then the L pool indices of
+#: its history (the scratch entry past its end).
+ID, POSITION, WRITE, LENGTH, READ = 0, 1, 2, 3, 4
+
+
+def _fresh(view: torch.Tensor) -> torch.Tensor:
+    """A copy of a column or block of ``inputs`` laid out as the compiled step was traced
+    with: contiguous, with plain strides even where a size is 1 (torch guards on strides)."""
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+class CudaGraphs:
+    """``capture(body) -> (replay, output)`` with ``torch.cuda.CUDAGraph``: ``body`` is run
+    twice on a side stream first (lazy initialisations, cuBLAS workspaces, a compile), then
+    recorded. All graphs made by one ``CudaGraphs`` share one memory pool."""
+
+    def __init__(self):
+        self.pool = None
+
+    def __call__(self, body):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = body()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, output
+
+
+def rerun_each_replay(body):
+    """A stand-in for a CUDA graph where there is none (tests on a CPU): each "replay" runs
+    ``body`` again and writes its result into the same output tensor, as a replay would."""
+    output = body()
+    return (lambda: output.copy_(body())), output
+
+
+def check_sizes(sizes, max_batch_size: int) -> tuple[int, ...]:
+    """The capture sizes that can occur (at most ``max_batch_size``), sorted; ValueError for
+    a size that is not a positive integer, or for no size left."""
+    sizes = tuple(sizes)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"capture sizes must be positive integers, got {size!r}")
+    usable = tuple(sorted({size for size in sizes if size <= max_batch_size}))
+    if not usable:
+        raise ValueError(f"no capture size in {sizes} is at most max_batch_size="
+                         f"{max_batch_size}")
+    return usable
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` (the server's --cuda-graph-sizes) as a tuple of ints; ValueError naming
+    the piece that is not one."""
+    sizes = []
+    for piece in str(text).split(","):
+        try:
+            sizes.append(int(piece))
+        except ValueError:
+            raise ValueError(f"--cuda-graph-sizes takes whole numbers separated by commas "
+                             f"(e.g. 1,2,4,8); {piece.strip()!r} is not one") from None
+    return tuple(sizes)
+
+
+class GraphedDecode:
+    """The decode step of ``packed`` (a ``PackedStep``, compiled or not) captured as one graph
+    per capture size. (Lesson 10.)
+
+    ``capture_all()`` records the graphs (at start-up); ``why_not(batch)`` says why a batch
+    cannot replay one (None when it can); ``run(starts, tables, ids)`` replays the step for
+    rows that each feed one token and returns their logits, (rows, 1, vocab), as
+    ``PackedStep._run`` does. ``length`` is L, the most positions a row's history may have.
+    """
+
+    def __init__(self, packed: PackedStep, length: int, sizes=CAPTURE_SIZES, capture=None):
+        self.packed = packed
+        self.sizes = tuple(sorted(sizes))
+        self.length = length
+        device = packed.model.device
+        largest = self.sizes[-1]
+        on_gpu = device.type == "cuda"
+        # Made as the engine's steps make their tensors (in inference mode), so that the
+        # compiled step's guards see the same kind of tensor.
+        with torch.inference_mode():
+            # One row a request: token, position, write index, length, then L read indices.
+            self.staging = torch.zeros(largest, READ + length, dtype=torch.long,
+                                       pin_memory=on_gpu)
+            self.inputs = torch.zeros(largest, READ + length, dtype=torch.long, device=device)
+            # A padding row: reads and writes the scratch entry only, a history of one.
+            self.padding = torch.full((READ + length,), packed.scratch, dtype=torch.long)
+            self.padding[ID], self.padding[POSITION], self.padding[LENGTH] = packed.pad_id, 0, 1
+            self._positions = torch.arange(length, device=device)
+            # Row r's query, output and last token are all token r (three tensors, as the
+            # compiled step was traced with: torch would guard on two arguments being one).
+            self._query = torch.arange(largest, device=device)[:, None].contiguous()
+            self._output = torch.arange(largest, device=device)
+            self._last = torch.arange(largest, device=device)
+        self.capture = capture or CudaGraphs()
+        self.graphs: dict[int, tuple] = {}         # size -> (replay, output)
+        self.captures = 0
+        self.replays = 0
+        self.padded_rows = 0                       # rows replayed for nothing
+        self.fallbacks: Counter = Counter()        # decode-or-not steps that did not replay
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    # --- start-up ------------------------------------------------------------------------
+
+    def capture_all(self) -> None:
+        """Record one graph per capture size, largest first (the later ones reuse its memory
+        pool), each on a batch of padding rows only."""
+        start = time.perf_counter()
+        on_gpu = self.inputs.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.inputs.device) if on_gpu else 0
+        for number, size in enumerate(reversed(self.sizes), 1):
+            startup.report("capturing the decode step for %d rows (graph %d of %d)", size,
+                           number, len(self.sizes))
+            with torch.inference_mode():
+                self._stage([], [], [], size)
+                self.graphs[size] = self.capture(lambda size=size: self._body(size))
+            self.captures += 1
+        if on_gpu:
+            torch.cuda.synchronize(self.inputs.device)
+            self.memory_bytes = torch.cuda.memory_reserved(self.inputs.device) - before
+        self.capture_seconds = time.perf_counter() - start
+        startup.report("captured %d CUDA graphs (sizes %s) in %.1f s, %.1f MiB",
+                       self.captures, ",".join(map(str, self.sizes)), self.capture_seconds,
+                       self.memory_bytes / 2**20)
+
+    def _body(self, size: int) -> torch.Tensor:
+        """The step a graph records: the model on the first ``size`` rows of ``inputs``.
+        Everything it reads is in ``inputs`` or computed from it on the GPU."""
+        rows = self.inputs[:size]
+        lengths = rows[:, LENGTH]
+        mask = (self._positions[None, :] < lengths[:, None])[:, None, None, :]   # (R,1,1,L)
+        paged = PackedInputs(self.packed.pool, _fresh(rows[:, WRITE]), _fresh(rows[:, READ:]),
+                             self._query[:size], self._output[:size], mask,
+                             _fresh(rows[:, POSITION].reshape(1, size)), self._last[:size])
+        return self.packed._call(_fresh(rows[:, ID].reshape(1, size)), paged)
+
+    # --- every step ------------------------------------------------------------------------
+
+    def why_not(self, batch) -> str | None:
+        """Why this batch cannot replay a graph ("prompt", "adapter", "rows"), or None."""
+        if not batch.prefilled:
+            return "prompt"                  # some row reads prompt tokens this step
+        if any(batch.adapters):
+            return "adapter"
+        if sum(not done for done in batch.done) > self.sizes[-1]:
+            return "rows"
+        return None
+
+    def run(self, starts: list[int], tables: list[list[int]], ids: list[int]) -> torch.Tensor:
+        """Replay the step for these rows (row r: ``starts[r]`` tokens in its blocks
+        ``tables[r]``, feeding the one token ``ids[r]``); their logits, (rows, 1, vocab).
+        In inference mode, as the engine's steps run."""
+        rows = len(ids)
+        size = capture_size(rows, self.sizes)
+        self._stage(starts, tables, ids, size)
+        replay, output = self.graphs[size]
+        replay()
+        self.replays += 1
+        self.padded_rows += size - rows
+        return output[0, :rows, None]
+
+    def _stage(self, starts, tables, ids, size: int) -> None:
+        """Fill the first ``size`` rows of the pinned staging buffer (the real rows, then
+        padding rows) and copy them to the GPU's ``inputs`` in one transfer."""
+        rows = len(ids)
+        staging = self.staging
+        if rows:
+            packed = self.packed
+            built = PackedInputs.build(packed.pool, packed.scratch, tables, starts, [1] * rows,
+                                       "cpu", length=self.length)
+            staging[:rows, ID] = torch.tensor(ids)
+            staging[:rows, POSITION] = built.positions[0]
+            staging[:rows, WRITE] = built.write_indices
+            staging[:rows, LENGTH] = torch.tensor(starts) + 1
+            staging[:rows, READ:] = built.read_indices
+        staging[rows:size] = self.padding
+        self.inputs[:size].copy_(staging[:size], non_blocking=True)
+
+    def snapshot(self) -> dict:
+        return {"cuda_graph_captures": self.captures, "cuda_graph_replays": self.replays,
+                "cuda_graph_padded_rows": self.padded_rows,
+                "cuda_graph_fallbacks": dict(self.fallbacks),
+                "cuda_graph_memory_bytes": self.memory_bytes,
+                "cuda_graph_capture_seconds": self.capture_seconds}
