@@ -51,7 +51,7 @@ _EXPORTS = {
     "plots": ["durations_figure", "finish_times", "plot_timeline", "timelines_figure"],
     "quiet": ["import_torchao", "quiet_stderr"],
     "gpu_run": ["gpu_record"],
-    "versions": ["LESSON_NEEDS", "check_versions"],
+    "versions": ["LESSON_NEEDS", "show_versions"],
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
     "server": ["serve_in_background"],
@@ -61,7 +61,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "Needs", "LivePlot", "cache_nbytes",
-    "LESSON_NEEDS", "check_versions",
+    "LESSON_NEEDS", "show_versions",
     "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
     "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
     "resolve_model_name", "seed_everything", "show_diagram", "show_figure", "gpu_record",

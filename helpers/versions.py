@@ -4,7 +4,7 @@ it. (Every lesson's setup cell.)
 A library older than a lesson needs does not say so: the lesson stops somewhere in the middle
 with a traceback that rarely names a version (peft refusing an old torchao, a config field that
 does not exist yet, a compiler error). So every lesson's setup cell calls
-``check_versions(lesson)`` first. It prints one line with the versions, and for each library
+``show_versions(lesson)`` first. It prints one line with the versions, and for each library
 that is older than the lesson needs, or missing, one line that names the version the lesson
 needs and what to do.
 
@@ -87,7 +87,7 @@ def version_problems(lesson: int, versions: dict[str, str | None]) -> list[str]:
     return problems
 
 
-def check_versions(lesson: int) -> list[str]:
+def show_versions(lesson: int) -> list[str]:
     """Print the versions of torch, transformers, peft and torchao in one line, then a line for
     each one that is too old for ``lesson`` (or missing). Returns those lines. (Every lesson.)"""
     versions = {name: installed_version(name) for name in LIBRARIES}

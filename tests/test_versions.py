@@ -9,7 +9,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from helpers import versions
-from helpers.versions import LESSON_NEEDS, check_versions, older, version_problems
+from helpers.versions import LESSON_NEEDS, show_versions, older, version_problems
 from scripts.notebook_setup import pyproject
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_an_unknown_lesson_is_a_value_error():
         version_problems(99, GOOD)
 
 
-def test_check_versions_prints_the_installed_release_and_the_problems(monkeypatch, capsys):
+def test_show_versions_prints_the_installed_release_and_the_problems(monkeypatch, capsys):
     found = {"torch": "2.11.0+cu128", "transformers": "5.15.0", "peft": "0.20.0"}
 
     def version(name):
@@ -85,12 +85,12 @@ def test_check_versions_prints_the_installed_release_and_the_problems(monkeypatc
         return found[name]
 
     monkeypatch.setattr(versions.importlib.metadata, "version", version)
-    problems = check_versions(5)
+    problems = show_versions(5)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "torch 2.11.0, transformers 5.15.0, peft 0.20.0, torchao not installed"
     assert out[1:] == problems == []
     found["peft"] = "0.18.1"
-    check_versions(6)
+    show_versions(6)
     assert capsys.readouterr().out.splitlines()[1].startswith("Lesson 06 needs peft 0.20 or newer")
 
 
@@ -110,9 +110,9 @@ def test_every_setup_cell_checks_its_own_lesson_first(path):
     lesson = int(path.name[:2])
     assert lesson in LESSON_NEEDS, f"{path.name}: add lesson {lesson} to LESSON_NEEDS"
     source = "".join(_setup_cell(path)["source"])
-    calls = re.findall(r"^check_versions\((\d+)\)", source, re.M)
-    assert calls == [str(lesson)], f"{path.name}: its setup cell must call check_versions({lesson})"
-    check = source.index("\ncheck_versions(")
+    calls = re.findall(r"^show_versions\((\d+)\)", source, re.M)
+    assert calls == [str(lesson)], f"{path.name}: its setup cell must call show_versions({lesson})"
+    check = source.index("\nshow_versions(")
     for call in ("seed_everything(", "load_model("):
         at = source.find(call)
         assert at == -1 or check < at, f"{path.name}: check the versions before {call}...)"
