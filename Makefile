@@ -3,6 +3,8 @@
 #   make check    is this laptop ready? imports, model, widgets, kernel, server, port (~1 min)
 #   make test     unit tests + every lesson executed and compared (nbval)
 #   make test-browser  every lesson run in JupyterLab in a real (headless) Chromium
+#   make test-colab    Colab's runtime (Python 3.13, its versions): the Colab cell, then every
+#                      lesson and workbook to its end (the first run downloads ~2.7 GB)
 #   make execute  re-run every lesson in place to refresh its committed outputs
 #   make workbooks    write workbooks/ from lessons/: every exercise's solution cut to a stub
 #   make slides   every lesson as a reveal.js deck in slides/, one HTML file that needs no network
@@ -19,13 +21,20 @@ VENV        ?= .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 STAMP_LAB   := $(VENV)/.installed-lab
-# transformers 4.57: the helpers' unit tests run there too (make compat, part of make test)
-VENV_TF4    ?= .venv-tf4
-STAMP_TF4   := $(VENV_TF4)/.installed
-# Colab's widget stack (ipywidgets 7.7.1, IPython 7.34): the widgets must work there too
+# make test-colab: Colab's GPU runtime (constraints-colab.txt: Python 3.13, torch 2.11,
+# transformers 5.15, peft 0.20, torchao 0.10, ipywidgets 7.7.1, IPython 7.34, ...), in which the
+# lessons' Colab cell installs the course and every lesson and workbook runs to its end
 VENV_COLAB  ?= .venv-colab
 STAMP_COLAB := $(VENV_COLAB)/.installed
-# make test-pythons: the unit tests under the oldest Python the package supports and Colab's
+PYTHON313   ?= $(shell for p in python3.13 "$$(pyenv root 2>/dev/null)"/versions/3.13*/bin/python3.13; do \
+                   "$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done)
+# What Colab ships that the course uses; pip adds their requirements, at Colab's versions too
+COLAB_SHIPS := torch torchao transformers tokenizers safetensors huggingface-hub accelerate peft \
+               numpy matplotlib ipywidgets ipython ipykernel tqdm fastapi starlette uvicorn h11 \
+               openai aiohttp requests pydantic httpx nbclient nbformat pytest
+# notebooks run at once by make test-colab (each lesson sets torch to one thread)
+COLAB_JOBS  ?= 2
+# make test-pythons: the unit tests under the oldest Python the package supports and 3.12
 PYTHON310   ?= python3.10
 PYTHON312   ?= python3.12
 VENV_310    ?= .venv-py310
@@ -51,7 +60,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab check slides test test-browser test-gpu test-pythons test-vllm unit nbval compat bench bench-vllm execute workbooks sync-notebooks images model wheelhouse clean
+.PHONY: lab check slides test test-browser test-colab test-gpu test-pythons test-vllm unit nbval bench bench-vllm execute workbooks sync-notebooks images model wheelhouse clean
 
 # Two layers in one .venv: what the lessons need (make lab, make check), then the test tools on
 # top (pytest, nbval, nbconvert, playwright: make test).
@@ -80,7 +89,7 @@ slides: $(STAMP_LAB)
 check: $(STAMP_LAB)
 	$(PY) scripts/check_setup.py
 
-test: $(STAMP) compat
+test: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 	# the server's tests again on lesson 03's contiguous KV cache (the default is lesson 08's
@@ -104,17 +113,17 @@ GPU_FLAGS   ?=
 test-gpu:
 	$(GPU_PYTHON) scripts/run_lessons_gpu.py $(GPU_FLAGS)
 
-$(STAMP_TF4): constraints-tf4.txt
-	@test -x $(VENV_TF4)/bin/python || $(PYTHON) -m venv $(VENV_TF4)
-	$(VENV_TF4)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
-	    -c constraints-tf4.txt torch transformers tokenizers huggingface-hub safetensors \
-	    accelerate peft pytest tqdm matplotlib ipython ipywidgets
-	@touch $@
-
+# PyPI's torch 2.11.0 is a CUDA build (about 2.6 GB with its CUDA libraries; no CPU build of
+# 2.11 is on PyPI) and runs on a CPU. uv installs these 2.7 GB in parallel and without
+# compiling every module first, minutes faster than pip (the Colab cell itself uses pip).
 $(STAMP_COLAB): constraints-colab.txt
-	@test -x $(VENV_COLAB)/bin/python || $(PYTHON) -m venv $(VENV_COLAB)
-	$(VENV_COLAB)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
-	    -c constraints-colab.txt ipywidgets ipython ipykernel matplotlib nbclient nbformat pytest
+	@test -n "$(PYTHON313)" || { echo "make test-colab needs Python 3.13 (Colab's): set PYTHON313"; exit 1; }
+	@test -x $(VENV_COLAB)/bin/python || $(PYTHON313) -m venv $(VENV_COLAB)
+	$(VENV_COLAB)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) uv==0.13.8
+	$(VENV_COLAB)/bin/uv pip install --quiet --python $(VENV_COLAB)/bin/python \
+	    -c constraints-colab.txt $(COLAB_SHIPS)
+	# what the runtime is before the Colab cell: each run of make test-colab starts from it
+	$(VENV_COLAB)/bin/python -m pip freeze --all > $(VENV_COLAB)/as-colab-ships.txt
 	@touch $@
 
 # The pins of constraints.txt need Python 3.11+ (transformers 5.23, IPython 9, NumPy 2.4), so
@@ -142,8 +151,11 @@ test-pythons: $(VENV_310)/.installed $(VENV_312)/.installed
 	    $$venv/bin/python -m pytest -p no:cacheprovider -q tests --ignore=tests/compat || status=1; \
 	done; exit $$status
 
-compat: $(STAMP_TF4) $(STAMP_COLAB)
-	PYTHONPATH=. $(VENV_TF4)/bin/python -m pytest -p no:cacheprovider -q tests/test_batching.py
+# In Colab's runtime: the lessons' Colab cell against a stand-in google.colab, then every lesson
+# and workbook in a fresh kernel, COLAB_JOBS at a time (scripts/colab_runtime.py), then the
+# widgets under Colab's ipywidgets 7 (tests/compat).
+test-colab: $(STAMP_COLAB)
+	$(VENV_COLAB)/bin/python scripts/colab_runtime.py --jobs $(COLAB_JOBS)
 	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
 $(STAMP_GRAMMAR): pyproject.toml constraints.txt
@@ -215,4 +227,4 @@ wheelhouse: $(STAMP_LAB)
 	$(PY) scripts/slides.py --fetch-only
 
 clean:
-	rm -rf $(VENV) $(VENV_TF4) $(VENV_COLAB) $(VENV_310) $(VENV_312) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_COLAB) $(VENV_310) $(VENV_312) .pytest_cache build *.egg-info

@@ -8,8 +8,9 @@ the modules of one layer do not import each other; a sub-package (``server``, ``
 as one module, whose files build on one another. tests/test_layering.py reads this list and
 checks every import in the package against it, imports inside functions included.
 
-    1. quiet, gpu_run                library noise kept out of a lesson's output; the record of
-                                     the course's last run on a GPU
+    1. quiet, gpu_run, versions      library noise kept out of a lesson's output; the record of
+                                     the course's last run on a GPU; the versions of torch,
+                                     transformers, peft, torchao (every lesson's setup cell)
     2. models                        the model and its tokenizer (lesson 01)
     3. generation                    one token at a time, the KV cache (lesson 01)
     4. batching, quantization, lora, costs  what lessons 02-06 teach, and what a decode
@@ -53,6 +54,7 @@ _EXPORTS = {
     "quiet": ["import_torchao", "quiet_stderr"],
     "gpu_run": ["gpu_record"],
     "costs": ["DeviceRates", "StepCost", "measure_rates", "step_cost", "step_overhead"],
+    "versions": ["LESSON_NEEDS", "show_versions"],
     "speculative": ["DRAFT_MODEL_DIR", "DraftModelProposer", "PromptLookupProposer",
         "course_draft", "speculative_generate"],
     "server": ["serve_in_background"],
@@ -64,6 +66,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "BUNDLED_MODEL_DIR", "MODEL_ENV_VAR", "Generation", "Needs", "LivePlot", "cache_nbytes",
+    "LESSON_NEEDS", "show_versions",
     "generate_no_cache", "generate_with_cache", "kv_cache_bytes", "kv_cache_bytes_for",
     "load_model", "load_tokenizer", "next_token_candidates", "quiet_stderr", "rerun_controls",
     "resolve_model_name", "seed_everything", "show_diagram", "show_figure", "gpu_record",

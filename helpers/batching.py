@@ -37,7 +37,7 @@ step took), e.g. to draw the timeline of lesson 03 with ``helpers.plots.plot_tim
 
 The KV cache is the transformers ``DynamicCache``. We never use its removed tuple API
 (transformers 5): we read ``cache.layers[i].keys`` / ``.values`` (shape: batch, kv_heads,
-seq, head_dim) and build new caches from tensors, which works in transformers 4.57 and 5.
+seq, head_dim) and build new caches from tensors.
 """
 
 from __future__ import annotations
@@ -314,8 +314,8 @@ def _pad_history(batch: Batch, width: int):
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``(keys, values)`` of every layer of a transformers cache. (Lesson 03.)
 
-    Each tensor has shape (batch, kv_heads, seq, head_dim). Uses ``cache.layers``, which exists
-    in transformers 4.56+ and 5 (the old ``cache[i]`` / ``key_cache`` access is gone in 5).
+    Each tensor has shape (batch, kv_heads, seq, head_dim). Uses ``cache.layers`` (the old
+    ``cache[i]`` / ``key_cache`` access is gone in transformers 5).
     """
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -605,8 +605,7 @@ def transformers_generate_batch(model, tokenizer, requests: list[Request],
 
     The paged KV cache is sized for this queue: left to itself, transformers sizes it from the
     free memory of the device, which on a CPU means gigabytes and tens of seconds of set-up.
-    On CPU this needs transformers 5 (4.57 can only size its cache on a GPU). The model's
-    attention implementation is restored afterwards.
+    The model's attention implementation is restored afterwards.
     """
     from transformers import GenerationConfig
 
@@ -636,21 +635,12 @@ def _batching_manager(model, config, token_lists: list[list[int]], max_tokens: l
     pages = sum(math.ceil((len(ids) + m) / page) for ids, m in zip(token_lists, max_tokens))
     sizes = {"num_blocks": pages + 1,
              "max_batch_tokens": max(256, sum(len(ids) for ids in token_lists))}
-    try:
-        from transformers import ContinuousBatchingConfig    # transformers 5
-    except ImportError:
-        ContinuousBatchingConfig = None
-    if ContinuousBatchingConfig is not None:
-        return model.init_continuous_batching(
-            generation_config=config,
-            continuous_batching_config=_batching_config(ContinuousBatchingConfig, page, sizes,
-                                                        batch_size))
-    for name, value in dict(sizes, block_size=page).items():  # transformers 4.5x
-        setattr(config, name, value)
-    if model.device.type == "cpu":
-        raise RuntimeError("transformers < 5 runs its continuous batching on a GPU only; "
-                           "upgrade transformers or use a CUDA device")
-    return model.init_continuous_batching(generation_config=config)
+    from transformers import ContinuousBatchingConfig
+
+    return model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=_batching_config(ContinuousBatchingConfig, page, sizes,
+                                                    batch_size))
 
 
 def _batching_config(config_class, page: int, sizes: dict, batch_size: int | None):
@@ -686,7 +676,7 @@ def _collect_answers(manager, tokenizer, count: int, stop_at_eos: bool, timeout:
                 raise RuntimeError("transformers' continuous batching stopped before answering "
                                    "every request")
             result = manager.get_result(timeout=1)
-            if result is None or not _finished(result):
+            if result is None or not result.is_finished():
                 continue
             tokens = list(result.generated_tokens)
             if stop_at_eos and tokenizer.eos_token_id in tokens:
@@ -694,13 +684,6 @@ def _collect_answers(manager, tokenizer, count: int, stop_at_eos: bool, timeout:
             answers[int(result.request_id.split("-")[1])] = tokenizer.decode(tokens)
             bar.update(1)
     return answers
-
-
-def _finished(result) -> bool:
-    # transformers 5 has GenerationOutput.is_finished(); 4.57 only the status field.
-    if hasattr(result, "is_finished"):
-        return result.is_finished()
-    return result.status.name == "FINISHED"
 
 
 # --- checks --------------------------------------------------------------------------------

@@ -48,32 +48,19 @@ def binder_badge(url: str | None = None) -> str:
 
 COLAB_CELL = '''\
 #@title Colab setup: does nothing outside Colab (click to see the code) {{ display-mode: "form" }}
-# On Google Colab this cell fetches the course and installs what Colab lacks. The
-# packages Colab ships (torch, transformers, torchao, matplotlib, ipywidgets, ...) keep their
-# versions: an upgrade under a running kernel breaks it. Elsewhere this cell does nothing.
+# On Google Colab this cell fetches the course and installs it (scripts/colab_setup.py),
+# keeping the torch, NumPy, matplotlib and ipywidgets Colab ships: replacing them under a
+# running session breaks it. A library the lessons need newer than Colab's (torchao) is
+# upgraded before anything imports it. The cell says in one line what it changed.
+# Elsewhere it does nothing.
 import os, subprocess, sys
 REPO_URL = "{url}"
 if "google.colab" in sys.modules:
-    from importlib.metadata import distributions, version
+    from runpy import run_path
     repo = "/content/course"
     if not os.path.isdir(repo):
         subprocess.run(["git", "clone", "--quiet", "--depth", "1", REPO_URL, repo], check=True)
-    def installed():   # name -> version of every package in the runtime
-        return {{(d.metadata["Name"] or "").lower().replace("_", "-"): d.version
-                for d in distributions()}}
-    before = installed()
-    keep = ["torch", "torchvision", "torchaudio", "torchao", "transformers", "tokenizers",
-            "safetensors", "huggingface-hub", "accelerate", "peft", "numpy", "matplotlib",
-            "ipywidgets", "ipython", "ipykernel"]
-    pins = [f"{{name}}=={{version(name)}}" for name in keep if name in before]
-    with open(os.path.join(repo, "colab-constraints.txt"), "w") as f:
-        f.write("\\n".join(pins))              # pip may add packages but not change these
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "-c", f.name]
-    extra = "" if "torchao" in before else "[quant]"   # Colab's own torchao when it has one
-    subprocess.run(pip + [repo + extra], check=True)
-    subprocess.run(pip + ["--no-deps", "lorax-client==0.6.3"], check=True)  # its pins clash
-    added = [f"{{n}} {{v}}" for n, v in sorted(installed().items()) if before.get(n) != v]
-    print(f"Installed {{', '.join(added) or 'nothing'}}; kept Colab's {{', '.join(pins)}}.")
+    run_path(os.path.join(repo, "scripts", "colab_setup.py"), run_name="__main__")
     sys.path.insert(0, repo)
     os.chdir(os.path.join(repo, "lessons"))'''
 

@@ -16,7 +16,6 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from helpers import (BUNDLED_MODEL_DIR, Batch, Trace, cache_from_layers, cache_layers, load_model,
                      filter_batch, generate_batched, generate_continuous, generate_next_token,
@@ -28,7 +27,6 @@ from helpers.corpus import corpus
 
 from .conftest import COURSE_PROMPTS, random_llama
 
-TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 HAVE_BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").exists()
 
 
@@ -292,7 +290,6 @@ def test_progress_bar_counts_requests(tiny_gpt2, capsys):
     assert "continuous batching" in err and "3/3" in err
 
 
-@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x runs its continuous batching on GPUs only")
 def test_transformers_generate_batch_gives_the_same_answers(tiny_gqa_llama):
     model, tokenizer = tiny_gqa_llama
     requests = [(prompt, 4 + 3 * i) for i, prompt in enumerate(COURSE_PROMPTS)]
@@ -302,7 +299,6 @@ def test_transformers_generate_batch_gives_the_same_answers(tiny_gqa_llama):
     assert generate_sequential(model, tokenizer, requests) == expected
 
 
-@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x runs its continuous batching on GPUs only")
 @pytest.mark.skipif(not HAVE_BUNDLED, reason="needs the bundled model")
 def test_transformers_generate_batch_can_run_past_eos():
     """With stop_at_eos=False every request gets its max_tokens, EOS included, as in our
@@ -351,13 +347,6 @@ def test_the_batching_config_takes_the_names_this_transformers_has():
     assert _batching_config(Before511, 64, sizes, None) == Before511(64, 9, 256)
     with pytest.raises(ValueError, match="batch_size needs transformers 5.11"):
         _batching_config(Before511, 64, sizes, 8)
-
-
-@pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 runs its continuous batching on CPUs too")
-def test_transformers_generate_batch_says_it_needs_a_gpu_on_transformers_4(tiny_gqa_llama):
-    model, tokenizer = tiny_gqa_llama
-    with pytest.raises(RuntimeError, match="GPU only"):
-        transformers_generate_batch(model, tokenizer, [("Jack and Jill", 3)])
 
 
 # --- padding arithmetic on hand-made batches -----------------------------------------------

@@ -108,4 +108,6 @@ def test_the_names_map_to_the_installed_distributions():
 @pytest.mark.parametrize("distribution_name", sorted(INSTALLED_APART))
 def test_what_is_installed_apart_is_installed_by_the_setup(distribution_name):
     assert f"--no-deps {distribution_name}" in (ROOT / "Makefile").read_text()
-    assert f'"--no-deps", "{distribution_name}' in colab_cell()
+    assert "scripts/colab_setup.py" in colab_cell() or '"colab_setup.py"' in colab_cell()
+    setup = (ROOT / "scripts" / "colab_setup.py").read_text()
+    assert f'APART = "{distribution_name}==' in setup and '"--no-deps", APART' in setup

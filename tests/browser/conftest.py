@@ -55,6 +55,19 @@ def browser():
 
 
 @pytest.fixture(scope="session")
+def lab():
+    """One JupyterLab for the whole run, serving lessons/ (or $COURSE_BROWSER_LESSONS): every
+    lesson runs in it (test_jupyterlab.py) and is presented in RISE (test_slides.py)."""
+    from .test_jupyterlab import LESSONS, Lab
+    server = Lab(LESSONS)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def browser_report(request):
     """A list the test appends one dict per lesson to (printed in the terminal summary)."""
     return request.config.stash[REPORT]

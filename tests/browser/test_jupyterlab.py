@@ -285,16 +285,6 @@ class Lab:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def lab():
-    server = Lab(LESSONS)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 # -- in the page ---------------------------------------------------------------------------
 
 # Every snippet finds the notebook's panel through the app object (LabApp.expose_app_in_browser).

@@ -99,17 +99,6 @@ def test_deck_offline(lesson, decks, browser):
         context.close()
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from .test_jupyterlab import Lab
-    server = Lab(ROOT / "lessons")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("lesson", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
 def test_rise_in_jupyterlab(lesson, lab, browser):
     """RISE (jupyterlab-rise, the lab extra) presents the lesson with the cells' slide types."""

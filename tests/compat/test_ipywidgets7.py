@@ -1,9 +1,9 @@
 """helpers/widgets.py under what Colab ships: ipywidgets 7.7.1, IPython 7.34, ipykernel 6.
 
-Run by `make compat` inside its own throwaway environment (constraints-colab.txt), which has
-no torch. helpers/__init__.py imports torch, so the package is stood up as an empty module
-whose path is helpers/: `import helpers.widgets` then runs widgets.py and the one module it
-imports (plots.py), neither of which needs torch.
+Run by `make test-colab` in .venv-colab, the environment pinned to Colab's GPU runtime
+(constraints-colab.txt), after the lessons have run there. The package is stood up as an empty
+module whose path is this repository's helpers/ (not the copy the Colab cell installed):
+`import helpers.widgets` then runs widgets.py and the one module it imports (plots.py).
 """
 
 import base64
