@@ -34,7 +34,7 @@ LESSON_NEEDS: dict[int, dict[str, str]] = {
     4: {**_BASE, "torchao": "0.17"},
     5: {**_BASE, "peft": "0.20", "torchao": "0.17"},
     6: {**_BASE, "peft": "0.20", "torchao": "0.17"},
-    7: _BASE, 8: _BASE, 9: _BASE, 10: _BASE,
+    7: _BASE, 8: _BASE, 9: _BASE, 10: _BASE, 11: _BASE,
 }
 #: Libraries a lesson may run without (the lesson, or the library that uses it, says so).
 OPTIONAL = ("torchao",)
