@@ -10,6 +10,7 @@ import torch
 from helpers import left_pad, position_ids_from_mask
 from helpers.checks import check_batched_greedy, check_left_pad, check_position_ids_from_mask
 from helpers.checks.lesson02 import batched_greedy
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,6 +65,28 @@ def only_the_ids(token_lists, pad_id):
     return _pad(token_lists, pad_id)[0]
 
 
+def a_boolean_mask(token_lists, pad_id):
+    ids, mask = _pad(token_lists, pad_id)
+    return ids, mask.bool()
+
+
+def padding_the_lists_in_place(token_lists, pad_id):
+    width = max(len(ids) for ids in token_lists)
+    masks = []
+    for ids in token_lists:
+        masks.append([0] * (width - len(ids)) + [1] * len(ids))
+        ids[:0] = [pad_id] * (width - len(ids))          # changes the caller's lists
+    return torch.tensor(token_lists), torch.tensor(masks)
+
+
+def left_pad_with_rows_of_lists(token_lists, pad_id):
+    """Right, written another way: each row built as a Python list first."""
+    width = max(len(ids) for ids in token_lists)
+    rows = [[pad_id] * (width - len(ids)) + list(ids) for ids in token_lists]
+    masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists]
+    return torch.tensor(rows), torch.tensor(masks)
+
+
 LEFT_PAD_MISTAKES = {
     padding_on_the_right: "row 1 ends in padding, so it is padded on the right",
     mask_upside_down: "1 on the padding and 0 on the tokens",
@@ -71,6 +94,8 @@ LEFT_PAD_MISTAKES = {
     float_ids: "holds float32",
     cut_to_the_shortest: "pad every row to the LONGEST list",
     only_the_ids: "should return two tensors, (input_ids, attention_mask)",
+    a_boolean_mask: "attention_mask holds bool",
+    padding_the_lists_in_place: "changed its input token_lists in place",
 }
 
 
@@ -78,6 +103,7 @@ def test_left_pad_check_passes_the_course_solution_quickly(bundled):
     start = time.perf_counter()
     assert_passes(check_left_pad, course_left_pad, bundled[1])
     assert_passes(check_left_pad, left_pad, bundled[1])
+    assert_passes(check_left_pad, left_pad_with_rows_of_lists, bundled[1])
     assert time.perf_counter() - start < 5
 
 
@@ -119,18 +145,35 @@ def summing_down_the_columns(mask):
     return (mask.long().cumsum(dim=0) - 1).masked_fill(mask == 0, 1)
 
 
+def positions_in_float(mask):
+    return (mask.float().cumsum(dim=-1) - 1).masked_fill(mask == 0, 1)
+
+
+def positions_in_the_mask_itself(mask):
+    positions = mask.cumsum_(dim=-1)                     # the lesson's mask is changed
+    return (positions - 1).masked_fill(positions == 0, 1)
+
+
+def positions_with_where(mask):
+    """Right, written another way."""
+    return torch.where(mask.bool(), mask.long().cumsum(dim=-1) - 1, torch.ones_like(mask))
+
+
 POSITION_MISTAKES = {
     counting_from_one: "first token is at position 1, expected 0",
     column_numbers: "its column number, expected 0: count real tokens only",
     padding_left_at_minus_one: "the padding's positions are -1",
     padding_at_zero: "the padding's positions are [0], expected 1",
     summing_down_the_columns: "down the columns (over the rows, dim=0)",
+    positions_in_float: "the position ids holds float32",
+    positions_in_the_mask_itself: "changed its input attention_mask in place",
 }
 
 
 def test_position_check_passes_the_course_solution(bundled):
     assert_passes(check_position_ids_from_mask, course_position_ids_from_mask, bundled[1])
     assert_passes(check_position_ids_from_mask, position_ids_from_mask, bundled[1])
+    assert_passes(check_position_ids_from_mask, positions_with_where, bundled[1], "cpu")
 
 
 def test_position_check_says_not_written_for_a_stub(bundled):
@@ -216,6 +259,10 @@ def without_the_cache(model, tokenizer, prompts, n):
     return _batched(model, tokenizer, prompts, n, use_cache=False)
 
 
+def batched_without_verbose(model, tokenizer, prompts, n_tokens):
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
+
+
 BATCHED_MISTAKES = {
     padding_prompts_on_the_right: "row 1 of the prefill's attention mask ends in padding",
     without_position_ids: "the prefill passed no position_ids",
@@ -223,6 +270,7 @@ BATCHED_MISTAKES = {
     mask_that_does_not_grow: "add a column of ones at every step",
     positions_that_stand_still: "every step moves each row one position further",
     without_the_cache: "step 1 fed 8 tokens per row without the cache",
+    batched_without_verbose: "the lesson calls it with verbose=True",
 }
 
 
@@ -250,3 +298,14 @@ def test_batched_check_catches(mistake, bundled):
     assert_caught(check_batched_greedy, mistake, *bundled, symptom=BATCHED_MISTAKES[mistake],
                   fallback=batched_greedy)
     assert bundled[1].padding_side == "left"     # the check leaves the tokenizer as it was
+
+
+EXERCISES = [
+    Exercise("left_pad", check_left_pad, ("tokenizer",), left_pad,
+             right=[course_left_pad, left_pad_with_rows_of_lists], wrong=LEFT_PAD_MISTAKES),
+    Exercise("position_ids_from_mask", check_position_ids_from_mask, ("tokenizer", "device"),
+             position_ids_from_mask, right=[course_position_ids_from_mask, positions_with_where],
+             wrong=POSITION_MISTAKES),
+    Exercise("batched_greedy", check_batched_greedy, ("model", "tokenizer"), batched_greedy,
+             right=[course_batched_greedy], wrong=BATCHED_MISTAKES),
+]
