@@ -123,9 +123,8 @@ def dtype_hint(what: str, got, expected) -> str:
     """The sentence that names a dtype difference and its usual cause."""
     said = f"{what} holds {dtype_name(got)}, expected {dtype_name(expected)}"
     if _is_integer_dtype(expected) and (got.is_floating_point or got == torch.bool):
-        return (f"{said}: token ids, masks, positions and codes are integers; make it with "
-                f"dtype={expected} (or convert with .to({expected})), "
-                f"and note that torch.zeros, torch.ones and torch.full make floats unless told")
+        return (f"{said}: ids, masks, positions and codes are integers; torch.zeros and "
+                f"torch.ones make floats unless given dtype={expected}")
     if expected.is_floating_point and not got.is_floating_point:
         return f"{said}: the values are real numbers; compute in floats (.float())"
     return (f"{said}: keep the dtype of the inputs (a new tensor takes dtype=... of the tensor "
