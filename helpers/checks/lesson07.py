@@ -23,7 +23,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
-from .core import Hint, run_check
+from .core import Hint, expect_number, run_check
 
 __all__ = ["check_time_stream", "check_generate_all", "time_stream_reference",
            "generate_all_reference"]
@@ -143,10 +143,7 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
         raise Hint(f"send() was called {stream.sent} times: call it once, it sends the request")
     if stream.read < n:
         raise Hint(f"only {stream.read} of the {n} events were read: go through the whole stream")
-    try:
-        float(ttft)
-    except (TypeError, ValueError):
-        raise Hint(f"ttft should be a number of seconds, got {type(ttft).__name__}") from None
+    expect_number("ttft (seconds)", ttft)        # the lesson multiplies and formats it
     if abs(float(ttft) - 1e3 * want_ttft) < 1e-6 and want_ttft:
         raise Hint(f"ttft is {float(ttft):.4g}: that is in milliseconds; return seconds, as the "
                    f"clock gives them")
@@ -191,10 +188,7 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
         raise Hint(f"gaps holds {len(gaps)} numbers, expected {len(want_gaps)}: one for each "
                    f"token after the first (the time since the token before it)")
     for i, (got, want) in enumerate(zip(gaps, want_gaps)):
-        try:
-            got = float(got)
-        except (TypeError, ValueError):
-            raise Hint(f"gap {i} should be a number of seconds, got {type(got).__name__}") from None
+        got = expect_number(f"gap {i} (seconds)", got)
         if abs(got - want) > 1e-9:
             since_first = stamps[i + 1] - stamps[0]
             since_start = stamps[i + 1] - clock_start
@@ -404,6 +398,11 @@ def _generate_all_checker(learner, cases):
                 raise Hint(f"the {len(requests)} requests went out one after another (never two "
                            f"in flight at once), so each waited for the one before: start them "
                            f"all, then wait for all of them (asyncio.gather)")
+            if client.most_in_flight < len(requests):
+                raise Hint(f"at most {client.most_in_flight} of the {len(requests)} requests "
+                           f"were in flight at once: send them all at once, one "
+                           f"asyncio.gather over every request, not in groups or one after "
+                           f"another for some of them")
             if inspect.isawaitable(got):
                 raise Hint(f"generate_all returned {type(got).__name__}, something still to be "
                            f"awaited: return the answers of `await asyncio.gather(...)`")
@@ -441,7 +440,7 @@ GATHER_CAUSES = {
 def check_generate_all(learner_generate_all):
     """Lesson 07: check the learner's ``async generate_all(aclient, requests)`` with a fake
     ``AsyncClient`` whose answers finish in reverse order: every request sent once with its
-    parameters, all in flight together, the texts returned in request order (three adapters,
+    parameters, all of them in flight at once (it counts them), the texts returned in request order (three adapters,
     five requests, one, none). Print one line; return the function the lesson should use."""
     return run_check("generate_all", learner_generate_all, _generate_all_checker,
                      fallback=generate_all_reference, causes=GATHER_CAUSES)
