@@ -387,7 +387,7 @@ BREAK_EVEN_MISTAKES = {
     none_when_never: "return math.inf when the compiled step saves nothing",
     ratio_of_steps: "divided by the saving per step",
     rounded_down: "the steps were rounded down",
-    rounded_to_nearest: "rounded to the nearest",
+    rounded_to_nearest: "the steps were rounded down (3906.25 to 3906, by int(), floor or round())",
     rounded_after: "rounding the tokens up counts part of a step",
     one_step_more: "math.ceil, not int(...) + 1",
     tokens_as_a_float: "a float: return an int",

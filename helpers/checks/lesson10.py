@@ -312,12 +312,9 @@ def _break_even_cases(learner, cases):
             if value != expected:
                 if value == math.floor(steps) * batch:
                     raise Hint(f"{call} gave {got!r}, expected {expected}: the steps were rounded "
-                               f"down ({steps:.4g} to {math.floor(steps)}); the last part of a "
-                               f"step still needs a whole step, so round up: math.ceil")
-                if value == round(steps) * batch:
-                    raise Hint(f"{call} gave {got!r}, expected {expected}: the steps were rounded "
-                               f"to the nearest ({steps:.4g} to {round(steps)}); any part of a "
-                               f"step still needs a whole step, so round up: math.ceil")
+                               f"down ({steps:.7g} to {math.floor(steps)}, by int(), floor or "
+                               f"round()); the last part of a step still needs a whole step, so "
+                               f"round up: math.ceil")
                 if value == math.ceil(steps * batch):
                     raise Hint(f"{call} gave {got!r}, expected {expected}: round the steps up "
                                f"(math.ceil(compile_seconds / saving)), then multiply by the "
