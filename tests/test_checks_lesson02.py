@@ -199,6 +199,10 @@ def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                         past_key_values=past, use_cache=True)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print(f"step {step}: fed {tuple(ids.shape)}, mask {tuple(mask.shape)}, "
+                      f"cache holds {out.past_key_values.get_seq_length()} positions ->",
+                      [tokenizer.decode(t) for t in next_ids])
             new.append(next_ids)
             past, ids = out.past_key_values, next_ids
             mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
@@ -206,8 +210,9 @@ def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
-def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions=True,
-             pass_mask=True, grow_mask=True, step_positions=1, use_cache=True):
+def _batched(model, tokenizer, prompts, n_tokens, verbose=False, *, side="left",
+             pass_positions=True, pass_mask=True, grow_mask=True, step_positions=1,
+             use_cache=True):
     before = tokenizer.padding_side
     tokenizer.padding_side = side
     try:
@@ -223,6 +228,8 @@ def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions
                         position_ids=positions if pass_positions else None,
                         past_key_values=past if use_cache else None, use_cache=True)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print("step:", [tokenizer.decode(t) for t in next_ids])
             new.append(next_ids)
             if grow_mask or not use_cache:
                 mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
@@ -235,31 +242,40 @@ def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
-def padding_prompts_on_the_right(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, side="right")
+def padding_prompts_on_the_right(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, side="right")
 
 
-def without_position_ids(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, pass_positions=False)
+def without_position_ids(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, pass_positions=False)
 
 
-def without_the_attention_mask(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, pass_mask=False)
+def without_the_attention_mask(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, pass_mask=False)
 
 
-def mask_that_does_not_grow(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, grow_mask=False)
+def mask_that_does_not_grow(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, grow_mask=False)
 
 
-def positions_that_stand_still(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, step_positions=0)
+def positions_that_stand_still(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, step_positions=0)
 
 
-def without_the_cache(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, use_cache=False)
+def without_the_cache(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, use_cache=False)
 
 
 def batched_without_verbose(model, tokenizer, prompts, n_tokens):
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
+
+
+def batched_ignoring_verbose(model, tokenizer, prompts, n_tokens, verbose=False):
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
+
+
+def batched_always_printing(model, tokenizer, prompts, n_tokens, verbose=False):
+    print("batch of", len(prompts))
     return course_batched_greedy(model, tokenizer, prompts, n_tokens)
 
 
@@ -271,6 +287,8 @@ BATCHED_MISTAKES = {
     positions_that_stand_still: "every step moves each row one position further",
     without_the_cache: "step 1 fed 8 tokens per row without the cache",
     batched_without_verbose: "the lesson calls it with verbose=True",
+    batched_ignoring_verbose: "with verbose=True it printed 0 line(s) for 3 steps",
+    batched_always_printing: "it printed 1 line(s) with verbose=False",
 }
 
 

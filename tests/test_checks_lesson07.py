@@ -333,3 +333,16 @@ EXERCISES = [
     Exercise("generate_all", check_generate_all, (), generate_all_reference,
              right=[all_as_in_the_lesson, all_with_tasks], wrong=GATHER_MISTAKES),
 ]
+
+
+def stream_text_before_the_clock(send, clock=time.perf_counter):
+    start = clock()
+    stamps, text = [], ""
+    for event in send():
+        if not event.token.special:
+            text += event.token.text
+        stamps.append(clock())
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], text
+
+
+STREAM_MISTAKES[stream_text_before_the_clock] = "read clock() first thing for each event"

@@ -274,8 +274,8 @@ def _batched_cases(model, tokenizer):
         ("a single prompt: no padding", ["Jack and Jill"], 5, False),
         ("a long and a short prompt, 12 tokens",
          ["Once upon a time a little fox lived by the river and", "What comes up must"], 12, False),
-        ("verbose=True, as the lesson calls it next (what it prints is yours)", PROMPTS[:2], 3,
-         True),
+        ("verbose=True, as the lesson calls it next (a line a step; what it says is yours)",
+         PROMPTS[:2], 3, True),
     ]
 
     def checker(learner, cases):
@@ -284,8 +284,9 @@ def _batched_cases(model, tokenizer):
             with cases(label):
                 with recording(model) as reference:
                     expected = batched_greedy(model, tokenizer, prompts, n)
+                printed = io.StringIO()
                 try:
-                    with recording(model) as calls, redirect_stdout(io.StringIO()):
+                    with recording(model) as calls, redirect_stdout(printed):
                         try:
                             got = (learner(model, tokenizer, list(prompts), n, verbose=True)
                                    if verbose else learner(model, tokenizer, list(prompts), n))
@@ -297,6 +298,14 @@ def _batched_cases(model, tokenizer):
                 finally:
                     tokenizer.padding_side = side
                 _diagnose_calls(calls, reference)
+                lines = [line for line in printed.getvalue().splitlines() if line.strip()]
+                if verbose and len(lines) < n:
+                    raise Hint(f"with verbose=True it printed {len(lines)} line(s) for {n} "
+                               f"steps: print a line at every step, saying what it fed the "
+                               f"model (the lesson's next cell shows them)")
+                if not verbose and lines:
+                    raise Hint(f"it printed {len(lines)} line(s) with verbose=False: print only "
+                               f"when verbose is True (the lesson's later cells call it quietly)")
                 if not isinstance(got, (list, tuple)) or not all(isinstance(t, str) for t in got):
                     raise Hint(f"batched_greedy should return a list of strings, one new text per "
                                f"prompt, got {type(got).__name__}")

@@ -381,11 +381,14 @@ def _channel_cases(model):
     mixed[2] = mixed[2].abs() + 0.05               # a channel of positive values only
     mixed[3] = -mixed[3].abs() - 0.05              # a channel of negative values only
     stack = torch.randn(3, 4, 5, generator=g)
-    mixed, stack = mixed.to(W.device), stack.to(W.device)
+    ties = _tie_matrix()
+    ties[1, 0], ties[1, 4] = -119.5 / 256, 135.5 / 256     # row 1's top code rounds to 256
+    mixed, stack, ties = mixed.to(W.device), stack.to(W.device), ties.to(W.device)
     return [
         (f"a weight matrix {tuple(W.shape)}, one range per column (axis=-1)", W, -1),
         (f"the same matrix, one range per row (axis=0)", W, 0),
         ("a matrix with a row of zeros, one above 0 and one below 0 (axis=0)", mixed, 0),
+        ("a row whose range ends fall halfway between two codes (axis=0)", ties, 0),
         ("a 3-D tensor (3, 4, 5), one range per index of axis 1", stack, 1),
         ("a 3-D tensor (3, 4, 5), axis=-1", stack, -1),
     ]

@@ -184,6 +184,7 @@ def _lookup_cases(learner, cases):
     scenarios = [
         ("the last 3 tokens found earlier", [4, 5, 6, 7, 8, 1, 4, 5, 6], 3, 3),
         ("two earlier occurrences", [5, 6, 1, 5, 6, 2, 5, 6], 4, 3),
+        ("a 2-gram match, a 1-gram elsewhere", [5, 6, 9, 1, 6, 2, 5, 6], 2, 3),
         ("a 3-gram and a 1-gram match", repeat, 2, 3),
         ("fewer than k tokens after the match", [3, 1, 2, 3], 4, 3),
         ("a repeated token", [7, 7], 3, 3),
