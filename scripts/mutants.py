@@ -32,7 +32,7 @@ OPPOSITES = {"min": "max", "max": "min", "amin": "amax", "amax": "amin", "any": 
              "all": "any", "ceil": "floor", "floor": "ceil", "argmax": "argmin",
              "argmin": "argmax", "cat": "stack", "stack": "cat",
              "long": "float", "float": "double", "int": "long", "double": "float",
-             "clamp": "clip", "round": "trunc", "sum": "mean", "cumsum": "cumprod",
+             "round": "trunc", "sum": "mean", "cumsum": "cumprod",
              "ones_like": "zeros_like", "zeros_like": "ones_like", "ones": "zeros",
              "zeros": "ones", "keys": "values", "values": "keys", "new_full": "new_zeros",
              "gather": "wait", "move_to_end": "pop"}
