@@ -23,7 +23,8 @@ class Exercise:
     ``name`` is the name the lesson binds the learner's answer to (``greedy_with_cache``,
     ``LoraLayer``); ``args`` the names the check takes after the answer, as the lesson calls it
     (``("model", "tokenizer")``, ``("device",)``); ``right`` the answers that must pass;
-    ``wrong`` maps each wrong answer to the words its hint must hold."""
+    ``wrong`` maps each wrong answer to the words its hint must hold; ``wrong_on_gpu`` the same
+    for answers that only a GPU shows wrong."""
 
     name: str
     check: Callable
@@ -31,6 +32,9 @@ class Exercise:
     fallback: Any
     right: list = field(default_factory=list)
     wrong: dict = field(default_factory=dict)
+    #: Answers right on the CPU that a GPU shows wrong (a tensor made on the CPU): they pass
+    #: on the CPU (tested), and ``scripts/check_answers.py --device cuda`` wants them flagged.
+    wrong_on_gpu: dict = field(default_factory=dict)
 
 
 def lesson_module(lesson: str):

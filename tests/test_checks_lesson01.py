@@ -286,10 +286,24 @@ def test_bytes_check_catches(mistake, bundled):
                   fallback=kv_cache_bytes_for)
 
 
+def greedy_with_the_ids_left_on_the_cpu(model, tokenizer, prompt, n_tokens):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids          # not moved to model.device
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            past, step_input = out.past_key_values, token
+            new.append(int(token))
+    return new
+
+
 EXERCISES = [
     Exercise("greedy_with_cache", check_greedy_with_cache, ("model", "tokenizer"),
              greedy_with_cache, right=[course_greedy_with_cache, greedy_growing_a_tensor],
-             wrong=GREEDY_MISTAKES),
+             wrong=GREEDY_MISTAKES,
+             wrong_on_gpu={greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met "
+                                                                "one on the GPU"}),
     Exercise("kv_cache_bytes_for", check_kv_cache_bytes_for, ("model", "tokenizer"),
              kv_cache_bytes_for, right=[course_kv_cache_bytes_for, bytes_with_head_dim_and_floats],
              wrong=BYTES_MISTAKES),

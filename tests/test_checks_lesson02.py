@@ -266,6 +266,30 @@ def without_the_cache(model, tokenizer, prompts, n, verbose=False):
     return _batched(model, tokenizer, prompts, n, verbose, use_cache=False)
 
 
+def batched_with_lists_of_ints(model, tokenizer, prompts, n_tokens, verbose=False):
+    """Right, written another way: each row's tokens kept as a list of ints, the cache's
+    length read from the mask."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt").to(model.device)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, rows = None, [[] for _ in prompts]
+    with torch.no_grad():
+        for step in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            if verbose:                               # the lesson's words, as its next cell shows
+                print(f"step {step}: fed {tuple(ids.shape)}, mask {tuple(mask.shape)}, cache "
+                      f"holds {out.past_key_values.get_seq_length()} positions ->",
+                      [tokenizer.decode(t) for t in out.logits[:, -1:].argmax(dim=-1)])
+            ids = out.logits[:, -1:].argmax(dim=-1)
+            for row, token in zip(rows, ids.flatten().tolist()):
+                row.append(token)
+            past = out.past_key_values
+            mask = torch.cat([mask, mask.new_ones((len(prompts), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+    return [tokenizer.decode(row) for row in rows]
+
+
 def batched_without_verbose(model, tokenizer, prompts, n_tokens):
     return course_batched_greedy(model, tokenizer, prompts, n_tokens)
 
@@ -295,6 +319,7 @@ BATCHED_MISTAKES = {
 def test_batched_check_passes_the_course_solution_quickly(bundled):
     start = time.perf_counter()
     assert_passes(check_batched_greedy, course_batched_greedy, *bundled)
+    assert_passes(check_batched_greedy, batched_with_lists_of_ints, *bundled)
     assert time.perf_counter() - start < 10   # about 0.5 s on a quiet 2-core machine
 
 
@@ -318,12 +343,42 @@ def test_batched_check_catches(mistake, bundled):
     assert bundled[1].padding_side == "left"     # the check leaves the tokenizer as it was
 
 
+def positions_filled_in_on_the_cpu(mask):
+    positions = torch.ones(mask.shape, dtype=torch.long)            # on the CPU
+    real = mask == 1
+    positions[real] = (mask.long().cumsum(dim=-1) - 1)[real]
+    return positions
+
+
+def batched_with_the_batch_left_on_the_cpu(model, tokenizer, prompts, n_tokens, verbose=False):
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")   # not moved to model.device
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, new = None, []
+    with torch.no_grad():
+        for step in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print(f"step {step}")
+            new.append(next_ids)
+            past, ids = out.past_key_values, next_ids
+            mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+            positions = positions[:, -1:] + 1
+    return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
+
+
 EXERCISES = [
     Exercise("left_pad", check_left_pad, ("tokenizer",), left_pad,
              right=[course_left_pad, left_pad_with_rows_of_lists], wrong=LEFT_PAD_MISTAKES),
     Exercise("position_ids_from_mask", check_position_ids_from_mask, ("tokenizer", "device"),
              position_ids_from_mask, right=[course_position_ids_from_mask, positions_with_where],
-             wrong=POSITION_MISTAKES),
+             wrong=POSITION_MISTAKES,
+             wrong_on_gpu={positions_filled_in_on_the_cpu: "a tensor made on the CPU met one on "
+                                                           "the GPU"}),
     Exercise("batched_greedy", check_batched_greedy, ("model", "tokenizer"), batched_greedy,
-             right=[course_batched_greedy], wrong=BATCHED_MISTAKES),
+             right=[course_batched_greedy, batched_with_lists_of_ints], wrong=BATCHED_MISTAKES,
+             wrong_on_gpu={batched_with_the_batch_left_on_the_cpu: "a tensor made on the CPU "
+                                                                   "met one on the GPU"}),
 ]

@@ -78,7 +78,7 @@ def merge_forgetting_an_empty_second_batch(b1, b2):
     return _merge(b1, b2, empty_second=False)
 
 
-def _zeros_merge(batch1, batch2, mask_dtype=torch.long, heads=None):
+def _zeros_merge(batch1, batch2, mask_dtype=torch.long, heads=None, on_cpu=False):
     """merge_batches that pads by concatenating zeros made by hand."""
     if len(batch1) == 0:
         return batch2
@@ -89,7 +89,9 @@ def _zeros_merge(batch1, batch2, mask_dtype=torch.long, heads=None):
     def pad(batch):
         missing = width - batch.attention_mask.shape[1]
         rows = len(batch)
-        mask = torch.cat([torch.zeros(rows, missing, dtype=mask_dtype), batch.attention_mask], dim=1)
+        zeros = (torch.zeros(rows, missing, dtype=mask_dtype) if on_cpu
+                 else batch.attention_mask.new_zeros((rows, missing), dtype=mask_dtype))
+        mask = torch.cat([zeros, batch.attention_mask], dim=1)
         layers = []
         for keys, values in cache_layers(batch.past_key_values):
             shape = (rows, heads or keys.shape[1], missing, keys.shape[3])
@@ -119,6 +121,10 @@ def merge_with_a_float_mask(b1, b2):
 
 def merge_padding_with_the_attention_heads(b1, b2):
     return _zeros_merge(b1, b2, heads=4)          # the models here have 4 attention heads
+
+
+def merge_with_a_mask_made_on_the_cpu(b1, b2):
+    return _zeros_merge(b1, b2, on_cpu=True)
 
 
 MERGE_MISTAKES = {
@@ -231,7 +237,9 @@ def test_filter_check_catches(mistake, bundled):
 
 EXERCISES = [
     Exercise("merge_batches", check_merge_batches, ("model", "tokenizer"), merge_batches,
-             right=[merge_batches, merge_with_zeros_made_by_hand], wrong=MERGE_MISTAKES),
+             right=[merge_batches, merge_with_zeros_made_by_hand], wrong=MERGE_MISTAKES,
+             wrong_on_gpu={merge_with_a_mask_made_on_the_cpu: "a tensor made on the CPU met one "
+                                                              "on the GPU"}),
     Exercise("filter_batch", check_filter_batch, ("model", "tokenizer"), filter_batch,
              right=[filter_batch, filter_with_a_boolean_index], wrong=FILTER_MISTAKES),
 ]

@@ -356,11 +356,17 @@ def test_a_wrong_return_is_one_line_without_a_traceback(bundled):
     assert "three things" in line and returned is quantize_tensor
 
 
+def quantize_codes_on_the_cpu(t):
+    q, scale, z = _quantize(t)
+    return q.cpu(), scale, z
+
+
 EXERCISES = [
     Exercise("quantize_tensor", check_quantize_tensor, ("model",), quantize_tensor,
              right=[quantize_as_a_learner_writes_it, quantize_with_python_numbers,
                     quantize_ties_the_other_way],
-             wrong=QUANTIZE_MISTAKES),
+             wrong=QUANTIZE_MISTAKES,
+             wrong_on_gpu={quantize_codes_on_the_cpu: "q is on cpu, expected cuda"}),
     Exercise("dequantize_tensor", check_dequantize_tensor, ("model",), dequantize_tensor,
              right=[dequantize_as_a_learner_writes_it, dequantize_through_int32],
              wrong=DEQUANTIZE_MISTAKES),

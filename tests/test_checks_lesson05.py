@@ -215,11 +215,16 @@ def test_the_merged_weight_computes_what_the_lora_layer_does():
             assert torch.allclose(out, layer(x), atol=1e-5)
 
 
+def merge_on_the_cpu(base, A, B, scale):
+    return merge_as_a_learner_writes_it(base, A, B, scale).cpu()
+
+
 EXERCISES = [
     Exercise("LoraLayer", check_lora_layer, (), helpers.lora.LoraLayer,
              right=[_lora_class(forward_as_a_learner_writes_it),
                     _lora_class(forward_with_matmul_and_a_scaled_b)],
              wrong={_lora_class(f): symptom for f, symptom in LORA_MISTAKES.items()}),
     Exercise("merge_lora", check_merge_lora, ("device",), merge_lora,
-             right=[merge_as_a_learner_writes_it, merge_with_torch_add], wrong=MERGE_MISTAKES),
+             right=[merge_as_a_learner_writes_it, merge_with_torch_add], wrong=MERGE_MISTAKES,
+             wrong_on_gpu={merge_on_the_cpu: "the merged weight is on cpu, expected cuda"}),
 ]

@@ -262,10 +262,16 @@ def test_the_check_runs_on_the_device_it_is_given():
     assert line.startswith("✓") and seen == {device}, line
 
 
+def loop_stacking_on_the_cpu(x, loras_a, loras_b, lora_indices):
+    return loop_as_in_the_lesson(x, loras_a, loras_b, lora_indices).cpu()
+
+
 EXERCISES = [
     Exercise("linear_lora_loop", check_linear_lora_loop, ("device",), linear_lora_loop,
-             right=[loop_as_in_the_lesson, loop_with_cat_of_unsqueezed_rows], wrong=LOOP_MISTAKES),
+             right=[loop_as_in_the_lesson, loop_with_cat_of_unsqueezed_rows], wrong=LOOP_MISTAKES,
+             wrong_on_gpu={loop_stacking_on_the_cpu: "the result is on cpu, expected cuda"}),
     Exercise("linear_lora_gathered", check_linear_lora_gathered, ("device",), linear_lora_gathered,
              right=[gathered_as_in_the_lesson, gathered_by_broadcasting, gathered_with_einsum],
-             wrong=GATHERED_MISTAKES),
+             wrong=GATHERED_MISTAKES,
+             wrong_on_gpu={gathered_into_a_new_cpu_tensor: "the result is on cpu, expected cuda"}),
 ]

@@ -356,5 +356,6 @@ def test_the_fallback_class_runs_the_lesson_scenario():
 EXERCISES = [
     Exercise("block_hashes", check_block_hashes, (), course_block_hashes,
              right=[block_hashes, hashes_with_a_while_loop], wrong=HASH_MISTAKES),
-    Exercise("Blocks", check_blocks, (), BlockManager, right=[Blocks], wrong=BLOCK_MISTAKES),
+    Exercise("Blocks", check_blocks, (), BlockManager, right=[Blocks, BlockManager],
+             wrong=BLOCK_MISTAKES),
 ]

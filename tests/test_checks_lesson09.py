@@ -242,9 +242,24 @@ def test_expected_tokens_check_catches(mistake):
                   fallback=course_expected_tokens)
 
 
+def verify_with_the_ids_on_the_cpu(model, cache, unread, guesses):
+    ids = torch.tensor([unread + guesses])                          # not on model.device
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    choices = logits[len(unread) - 1:].argmax(dim=-1).tolist()
+    n = 0
+    while n < len(guesses) and guesses[n] == choices[n]:
+        n += 1
+    if n < len(guesses):
+        cache.crop(-(len(guesses) - n))
+    return guesses[:n] + [choices[n]]
+
+
 EXERCISES = [
     Exercise("verify", check_verify, ("model", "tokenizer"), verify_greedy,
-             right=[verify, verify_with_a_python_loop], wrong=VERIFY_MISTAKES),
+             right=[verify, verify_with_a_python_loop], wrong=VERIFY_MISTAKES,
+             wrong_on_gpu={verify_with_the_ids_on_the_cpu: "a tensor made on the CPU met one on "
+                                                           "the GPU"}),
     Exercise("lookup", check_lookup, (), course_lookup,
              right=[lookup, lookup_with_a_dictionary_of_tails], wrong=LOOKUP_MISTAKES),
     Exercise("expected_tokens", check_expected_tokens, (), course_expected_tokens,

@@ -410,13 +410,21 @@ def test_break_even_check_catches(mistake):
                   fallback=break_even_tokens)
 
 
+def padding_of_the_dtype_on_the_cpu(input_ids, size, pad_token_id):
+    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), pad_token_id,
+                         dtype=input_ids.dtype)                    # on the CPU
+    return torch.cat([input_ids, padding])
+
+
 EXERCISES = [
     Exercise("CountingBackend", check_counting_backend, (), CountingBackend,
              right=[LessonBackend, ReturningTheGraph], wrong=COUNTING_MISTAKES),
     Exercise("capture_size", check_capture_size, (), capture_size,
              right=[lesson_capture_size, from_sorted_sizes], wrong=CAPTURE_MISTAKES),
     Exercise("pad_batch", check_pad_batch, ("device",), pad_batch,
-             right=[lesson_pad_batch, padding_with_new_full_and_a_slice], wrong=PAD_MISTAKES),
+             right=[lesson_pad_batch, padding_with_new_full_and_a_slice], wrong=PAD_MISTAKES,
+             wrong_on_gpu={padding_of_the_dtype_on_the_cpu: "a tensor made on the CPU met one on "
+                                                            "the GPU"}),
     Exercise("break_even_tokens", check_break_even, (), break_even_tokens,
              right=[lesson_break_even, with_integer_division], wrong=BREAK_EVEN_MISTAKES),
 ]

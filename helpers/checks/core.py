@@ -35,6 +35,8 @@ PASSED, FAILED, NOT_YET = "✓", "✗", "…"
 NOT_WRITTEN = "not written yet"
 USING_OURS = "the rest of the lesson uses the course's version"
 MAX_LINE = 400
+DEVICES_MET = ("a tensor made on the CPU met one on the GPU: make every new tensor on the "
+               "inputs' device (device=x.device, x.new_zeros(...), .to(model.device))")
 
 
 class Hint(Exception):
@@ -92,6 +94,8 @@ def run_check(name: str, candidate: Any, checker: Callable[[Any, Cases], None], 
             cause = causes(error)
         else:
             cause = next((c for text, c in (causes or {}).items() if text in str(error)), None)
+        if cause is None and "same device" in str(error):     # torch's words for two devices
+            cause = DEVICES_MET
         message = (message if len(message) <= 100 else message[:99] + "…")
         message += f"; likely cause: {cause}" if cause else ""
         print(_one_line(f"{FAILED} {name} raised {type(error).__name__}{where}: {message}")
