@@ -115,11 +115,11 @@ def _alarm(signum, frame):
     raise NeverEnds()
 
 
-def context():
+def context(device: str = "cpu"):
     """What the checks take after the learner's answer, as the lessons pass it."""
     from helpers import load_model
 
-    model, tokenizer = load_model(device="cpu")
+    model, tokenizer = load_model(device=device)
     return {"model": model, "tokenizer": tokenizer, "device": model.device}
 
 
@@ -281,6 +281,9 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="write the report from the results")
     ap.add_argument("--results", type=pathlib.Path, default=None,
                     help="write the results here (and no report), e.g. to compare two versions")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model and the cases go; the report is made on the CPU, "
+                         "cuda shows which of its device mutants a GPU catches (with --results)")
     args = ap.parse_args()
     if args.list:
         for e in EXERCISES:
@@ -292,7 +295,9 @@ def main() -> int:
 
         torch.manual_seed(0)
         torch.set_num_threads(1)
-        ctx = context()
+        if args.device != "cpu" and args.results is None:
+            raise SystemExit("--device needs --results: the committed report is the CPU's")
+        ctx = context(args.device)
         by_key = {e.key: e for e in EXERCISES}
         for exercise in select(args.exercise):
             print(f"{exercise.key} ...", flush=True)

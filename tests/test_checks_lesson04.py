@@ -118,12 +118,17 @@ def quantize_with_python_numbers(t):
 
 
 def quantize_ties_the_other_way(t):
-    """Right: multiplies by 1 / scale, as torch does on a CPU, so a tie may round the other way."""
+    """Right: multiplies by 1 / scale, as torch does on a CPU, so that a value halfway between
+    two codes may round the other way."""
     q, scale, z = quantize_tensor(t)
-    steps = t * (1 / scale)
-    halfway = ((steps - steps.floor()) - 0.5).abs() < 1e-3
-    q = torch.where(halfway, (steps.floor() + z).clamp(0, 255).to(torch.uint8), q)
-    return q, scale, z
+    return (torch.round(t * (1 / scale)) + z).clamp(0, 255).to(torch.uint8), scale, z
+
+
+def quantize_floor_near_halfway(t):
+    q, scale, z = quantize_tensor(t)
+    steps = t / scale
+    near = ((steps - steps.floor()) - 0.5).abs() < 1e-2            # not only at a tie
+    return torch.where(near, (steps.floor() + z).clamp(0, 255).to(torch.uint8), q), scale, z
 
 
 QUANTIZE_MISTAKES = {
@@ -143,6 +148,7 @@ QUANTIZE_MISTAKES = {
     scale_as_a_one_element_tensor: "the scale is a tensor of shape (1,)",
     zero_point_as_an_integer_tensor: "held in a tensor (int64): it is a code, so return it as an int",
     quantize_dividing_t_in_place: "changed its input t in place",
+    quantize_floor_near_halfway: "differs at",
 }
 
 
