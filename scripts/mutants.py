@@ -7,7 +7,8 @@
 
 Each mutant changes one thing in the lines given (an exercise's solution, between its markers)
 the way a slip would: a comparison's operator, an arithmetic operator, a number off by one, the
-operands of a product or the items of a list swapped, a dimension or a dtype changed, a keyword
+operands of a product or the items of a list swapped, a product regrouped ((x @ A) @ B as
+x @ (A @ B): the same numbers at another cost), a dimension or a dtype changed, a keyword
 argument or a method call dropped, a function swapped for its opposite (min/max, any/all,
 cat/stack, floor/ceil, ...), a statement dropped, two statements swapped. ``key`` names the
 change in words and code (``compare: \`n < len(guesses)\` -> \`n <= len(guesses)\```) and does
@@ -131,6 +132,13 @@ def _sites(tree, lines: set[int]) -> Iterator[tuple[tuple, str, object]]:
                     new.left, new.right = new.right, new.left
                     return new
                 yield path, "operands swapped", make
+            if isinstance(node.left, ast.BinOp) and type(node.left.op) is type(node.op) \
+                    and isinstance(node.op, (ast.MatMult, ast.Sub, ast.Div)):
+                def make(n=node):                                   # (a op b) op c -> a op (b op c)
+                    new = copy.deepcopy(n)
+                    inner = new.left
+                    return ast.BinOp(inner.left, inner.op, ast.BinOp(inner.right, new.op, new.right))
+                yield path, "regrouped", make
         if isinstance(node, ast.AugAssign) and type(node.op) in BINOP_SWAPS:
             for swap in BINOP_SWAPS[type(node.op)]:
                 def make(n=node, swap=swap):

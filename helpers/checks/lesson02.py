@@ -8,7 +8,9 @@ upside down, positions counted from 1 or from the first column.
 
 ``check_batched_greedy`` runs the learner's loop and the course's on the lesson's model with a
 hook that records what every call fed the model (tokens, attention mask, position ids, how much
-the cache held), so that a wrong text is traced to the step and the tensor that went wrong.
+the cache held), so that a wrong text is traced to the step and the tensor that went wrong; it
+also counts the lines it prints, one a step with ``verbose=True`` and none without. The
+positions' cases run on the lesson's device; every tensor is compared in dtype and device too.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ The reference is ``helpers.quantization.quantize`` (the convention of
 ``x' = (q - zero_point) * scale``. The cases are the lesson's own weights (a weight matrix of
 the model, a LayerNorm gain whose values are all positive) and small edge cases: a tensor of
 zeros, a range whose ends fall halfway between two codes (rounding reaches 256 there, so only
-the clamp keeps the top code at 255), a vector that holds 0.0 exactly, a 3-D tensor.
+the clamp keeps the top code at 255), a vector that holds 0.0 exactly, a 3-D tensor, values
+below 0 only. The cases run on the model's device; the per-tensor scale must be a float or a
+0-d tensor and the zero point an int, as the lesson formats them and hands them to torch.
 """
 
 from __future__ import annotations

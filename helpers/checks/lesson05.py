@@ -6,7 +6,9 @@ weight: ``W + A @ B * scale`` for GPT-2's ``Conv1D``, which stores ``W`` as (in 
 ``W + (A @ B * scale)ᵀ`` for ``nn.Linear``, which stores it as (out × in). The cases wrap a
 square ``nn.Linear`` (where a transposed product still has the right shape, so only the values
 tell), a non-square one, and GPT-2's ``Conv1D``, with scale 1 and scale 2, inputs of two and
-three dimensions, and a fresh adapter (B = 0).
+three dimensions, and a fresh adapter (B = 0). The floating-point operations of forward's
+products are counted (``counting.flops``): ``x @ (A @ B)`` gives the same numbers at the cost
+of an in × out matrix, and is flagged.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ and a real server's timings change from run to run. So ``time_stream`` gets a sc
 of lorax-client-like events and a fake clock that moves only when the stream says so (the
 request being sent, the prefill, each decode step): the expected TTFT and gaps are known
 exactly. ``generate_all`` gets a fake ``AsyncClient`` whose answers come back in the reverse of
-the order they were sent, and which notes how many requests were in flight at once. The lesson
-then uses both against the running server.
+the order they were sent, and which notes how many requests were in flight at once: all of them
+must be. Reading an event's token moves the fake clock a microsecond, so a stamp taken after
+the loop's work shows. The times must be numbers, the text a string: the lesson then uses both
+functions against the running server.
 
 ``time_stream_reference`` and ``generate_all_reference`` are the course's versions: what the
 checks compare with, and what the lesson goes on with when an answer is missing or wrong.

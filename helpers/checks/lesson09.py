@@ -6,7 +6,8 @@ right, wrong from the first one, wrong in the middle, no guesses at all, and the
 (an empty cache and the whole prompt unread). The new tokens must be the same, and so must
 the cache afterwards (its length, then its keys). ``lookup`` is compared with
 ``helpers.PromptLookupProposer`` on hand-made token lists, ``expected_tokens`` with the
-formula of the lesson's cost model.
+formula of the lesson's cost model (and must return a number). None of them may change the
+lists it is given.
 """
 
 from __future__ import annotations

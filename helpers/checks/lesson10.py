@@ -2,13 +2,14 @@
 the break-even point of a compile.
 
 ``capture_size`` and ``pad_batch`` are compared with ``helpers.compilation``'s on hand-made
-batches and size lists (unsorted lists and batches too large for any size included).
-``CountingBackend`` is first called by hand with a small traced graph, then used as the
-backend of ``torch.compile`` on a small function made afresh for each check (a new code
+batches and size lists (unsorted lists in an order that neither a first fit nor a bisect gets
+right, batches too large for any size, the lesson's default sizes; int32 ids, on the lesson's
+device). ``CountingBackend`` is first called by hand with a small traced graph, then used as
+the backend of ``torch.compile`` on a small function made afresh for each check (a new code
 object, so nothing TorchDynamo cached earlier interferes): one graph for the first call, none
-for a call with the same shapes, one more for a new shape, and a list of its own for each
-backend. ``break_even_tokens`` is compared with the formula on five cases, two where the
-compiled step saves nothing.
+for a call with the same shapes, one more for a new shape, the function's values at every call
+(not only the first), and a list of its own for each backend. ``break_even_tokens`` is compared
+with the formula on seven cases: two exact divisions, two where the compiled step saves nothing.
 """
 
 from __future__ import annotations
