@@ -17,7 +17,8 @@ they did not run are run here.)
 
 To stay cheap, each workbook runs once per answer it must try at the same exercise: every
 exercise's last right answer (the one written most unlike the lesson's) goes into one run, with
-the others' (10 runs, about two minutes on two cores, each truncated as above).
+the others' (10 runs, two at a time, each cut as above: about four fifths of the workbooks'
+cells, so about what tests/test_workbooks.py's run of them takes).
 """
 
 import json
@@ -109,7 +110,8 @@ def _notebook(number: str, injected: dict):
         at = next(i for i, c in enumerate(cells) if c.cell_type == "code" and _defines(c, name))
         cells[at].source += (f"\n\nimport sys; sys.path.insert(0, {str(ROOT)!r})\n"
                              f"from tests.answers import answer\n"
-                             f"{name} = answer({number!r}, {name!r}, {kind!r}, {index})")
+                             f"{name} = answer({number!r}, {name!r}, {kind!r}, {index})\n"
+                             f"{name}.__name__ = {name!r}    # as the learner's cell names it")
         uses = [i for i, c in enumerate(cells) if c.cell_type == "code"
                 and re.search(rf"\b{re.escape(name)}\b", c.source)]
         last = max(last, max(uses))
