@@ -6,6 +6,11 @@ from contextlib import redirect_stdout
 from helpers.checks.core import FAILED, NOT_WRITTEN, PASSED
 
 
+#: The line each check printed for each answer in this test session, {(check, answer): line}:
+#: tests/test_workbook_answers.py reads it rather than running the same checks again.
+LINES: dict = {}
+
+
 def run(check, candidate, *args):
     """(the line the check printed, what it returned)."""
     out = io.StringIO()
@@ -13,6 +18,10 @@ def run(check, candidate, *args):
         returned = check(candidate, *args)
     text = out.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n"), f"not one line: {text!r}"
+    try:
+        LINES[(check, candidate)] = text.strip()
+    except TypeError:                     # an answer that cannot be a key is run again later
+        pass
     return text.strip(), returned
 
 

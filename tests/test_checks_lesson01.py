@@ -10,6 +10,7 @@ import torch
 from helpers import kv_cache_bytes_for
 from helpers.checks import check_greedy_with_cache, check_kv_cache_bytes_for
 from helpers.checks.lesson01 import greedy_with_cache
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,6 +89,60 @@ def one_call_too_many(model, tokenizer, prompt, n):
     return new
 
 
+def greedy_growing_a_tensor(model, tokenizer, prompt, n_tokens):
+    """Right, written another way: the new tokens kept in a tensor, a list at the end."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    new = ids[:, :0]
+    past, step_input = None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            step_input = out.logits[:, -1:].argmax(dim=-1)
+            past, new = out.past_key_values, torch.cat([new, step_input], dim=1)
+    return new[0].tolist()
+
+
+def returning_a_tensor(model, tokenizer, prompt, n):
+    return torch.tensor(course_greedy_with_cache(model, tokenizer, prompt, n), dtype=torch.long)
+
+
+def returning_a_tuple(model, tokenizer, prompt, n):
+    return tuple(course_greedy_with_cache(model, tokenizer, prompt, n))
+
+
+def a_list_of_tensors(model, tokenizer, prompt, n):
+    return [torch.tensor([[t]]) for t in course_greedy_with_cache(model, tokenizer, prompt, n)]
+
+
+def a_list_of_floats(model, tokenizer, prompt, n):
+    return [float(t) for t in course_greedy_with_cache(model, tokenizer, prompt, n)]
+
+
+def argmax_over_the_flattened_logits(model, tokenizer, prompt, n_tokens):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            token = out.logits.argmax().view(1, 1)
+            past, step_input = out.past_key_values, token
+            new.append(int(token))
+    return new
+
+
+def prefill_before_the_loop(model, tokenizer, prompt, n_tokens):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        token = out.logits[0, -1].argmax().view(1, 1)
+        new = [int(token)]
+        for _ in range(n_tokens - 1):
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            new.append(int(token))
+    return new
+
+
 GREEDY_MISTAKES = {
     forgetting_the_cache: "fed one token without past_key_values",
     feeding_the_whole_sequence_with_the_cache: "fed 6 tokens (the whole sequence) together with a cache",
@@ -96,7 +151,13 @@ GREEDY_MISTAKES = {
     returning_the_prompt_too: "return only the new tokens",
     stopping_at_eos: "does not stop at EOS",
     no_cache_at_all: "re-read the whole sequence (6 tokens) without the cache",
-    one_call_too_many: "the model ran 21 times for 20 token(s)",
+    one_call_too_many: "the model ran 21 time(s) for 20 token(s)",
+    returning_a_tensor: "should be a list of ints, got a tensor: return .tolist()",
+    returning_a_tuple: "should be a list of ints, got tuple",
+    a_list_of_tensors: "holds Tensor values: append int(token)",
+    a_list_of_floats: "holds float values",
+    argmax_over_the_flattened_logits: "the argmax ran over the flattened logits",
+    prefill_before_the_loop: "returned 1 token(s) for n_tokens=0: asked for no token, return []",
 }
 
 
@@ -121,10 +182,9 @@ def test_greedy_check_catches(mistake, bundled):
                   fallback=greedy_with_cache)
 
 
-def test_greedy_check_accepts_a_tensor_of_ids(bundled):
-    def as_tensor(model, tokenizer, prompt, n):
-        return torch.tensor(course_greedy_with_cache(model, tokenizer, prompt, n))
-    assert_passes(check_greedy_with_cache, as_tensor, *bundled)
+def test_greedy_check_passes_right_answers_written_otherwise(bundled):
+    for right in EXERCISES[0].right:
+        assert_passes(check_greedy_with_cache, right, *bundled)
 
 
 # ---- kv_cache_bytes_for: the lesson's solution and typical mistakes --------------------------
@@ -133,8 +193,9 @@ def course_kv_cache_bytes_for(config, seq_len, batch=1, bytes_per_value=2):
     """The lesson's solution, as written in its exercise cell."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    width = kv_heads * (config.hidden_size // heads)
-    return 2 * bytes_per_value * config.num_hidden_layers * width * seq_len * batch
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    key_width = kv_heads * head_size
+    return 2 * bytes_per_value * config.num_hidden_layers * key_width * seq_len * batch
 
 
 def _bytes(config, seq_len, batch=1, bytes_per_value=2, *, factor=2, gqa=True, use_batch=True,
@@ -174,6 +235,26 @@ def fp32_by_default(config, seq_len, batch=1, bytes_per_value=4):
     return _bytes(config, seq_len, batch, bytes_per_value)
 
 
+def ignoring_head_dim(config, seq_len, batch=1, bytes_per_value=2):
+    return _bytes(config, seq_len, batch, bytes_per_value)        # hidden_size // heads always
+
+
+def as_a_string(config, seq_len, batch=1, bytes_per_value=2):
+    return f"{course_kv_cache_bytes_for(config, seq_len, batch, bytes_per_value):.0f}"
+
+
+def as_a_tensor(config, seq_len, batch=1, bytes_per_value=2):
+    return torch.tensor(course_kv_cache_bytes_for(config, seq_len, batch, bytes_per_value))
+
+
+def bytes_with_head_dim_and_floats(config, seq_len, batch=1, bytes_per_value=2):
+    """Right, written another way: the head size read from head_dim, in float arithmetic."""
+    heads = config.num_attention_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size / heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2.0 * bytes_per_value * config.num_hidden_layers * kv_heads * head_size * seq_len * batch
+
+
 BYTES_MISTAKES = {
     forgetting_keys_and_values: "keys AND values, hence the factor 2",
     ignoring_grouped_query_attention: "8x the expected: this model shares each kv head among 8",
@@ -182,12 +263,17 @@ BYTES_MISTAKES = {
     one_layer_only: "each of the 12 layers keeps its own",
     in_gib: "not in GiB",
     fp32_by_default: "make those the defaults",
+    ignoring_head_dim: "this config sets head_dim = 128, not hidden_size // num_attention_heads = 64",
+    as_a_string: "should be a number (an int or a float), got str",
+    as_a_tensor: "got Tensor: use .item()",
 }
 
 
 def test_bytes_check_passes_the_course_solution_and_helpers(bundled):
     assert_passes(check_kv_cache_bytes_for, course_kv_cache_bytes_for, *bundled)
     assert_passes(check_kv_cache_bytes_for, kv_cache_bytes_for, *bundled)
+    for right in EXERCISES[1].right:
+        assert_passes(check_kv_cache_bytes_for, right, *bundled)
 
 
 def test_bytes_check_says_not_written_for_a_stub(bundled):
@@ -198,3 +284,27 @@ def test_bytes_check_says_not_written_for_a_stub(bundled):
 def test_bytes_check_catches(mistake, bundled):
     assert_caught(check_kv_cache_bytes_for, mistake, *bundled, symptom=BYTES_MISTAKES[mistake],
                   fallback=kv_cache_bytes_for)
+
+
+def greedy_with_the_ids_left_on_the_cpu(model, tokenizer, prompt, n_tokens):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids          # not moved to model.device
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            past, step_input = out.past_key_values, token
+            new.append(int(token))
+    return new
+
+
+EXERCISES = [
+    Exercise("greedy_with_cache", check_greedy_with_cache, ("model", "tokenizer"),
+             greedy_with_cache, right=[course_greedy_with_cache, greedy_growing_a_tensor],
+             wrong=GREEDY_MISTAKES,
+             wrong_on_gpu={greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met "
+                                                                "one on the GPU"}),
+    Exercise("kv_cache_bytes_for", check_kv_cache_bytes_for, ("model", "tokenizer"),
+             kv_cache_bytes_for, right=[course_kv_cache_bytes_for, bytes_with_head_dim_and_floats],
+             wrong=BYTES_MISTAKES),
+]

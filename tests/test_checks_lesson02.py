@@ -10,6 +10,7 @@ import torch
 from helpers import left_pad, position_ids_from_mask
 from helpers.checks import check_batched_greedy, check_left_pad, check_position_ids_from_mask
 from helpers.checks.lesson02 import batched_greedy
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,6 +65,28 @@ def only_the_ids(token_lists, pad_id):
     return _pad(token_lists, pad_id)[0]
 
 
+def a_boolean_mask(token_lists, pad_id):
+    ids, mask = _pad(token_lists, pad_id)
+    return ids, mask.bool()
+
+
+def padding_the_lists_in_place(token_lists, pad_id):
+    width = max(len(ids) for ids in token_lists)
+    masks = []
+    for ids in token_lists:
+        masks.append([0] * (width - len(ids)) + [1] * len(ids))
+        ids[:0] = [pad_id] * (width - len(ids))          # changes the caller's lists
+    return torch.tensor(token_lists), torch.tensor(masks)
+
+
+def left_pad_with_rows_of_lists(token_lists, pad_id):
+    """Right, written another way: each row built as a Python list first."""
+    width = max(len(ids) for ids in token_lists)
+    rows = [[pad_id] * (width - len(ids)) + list(ids) for ids in token_lists]
+    masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in token_lists]
+    return torch.tensor(rows), torch.tensor(masks)
+
+
 LEFT_PAD_MISTAKES = {
     padding_on_the_right: "row 1 ends in padding, so it is padded on the right",
     mask_upside_down: "1 on the padding and 0 on the tokens",
@@ -71,6 +94,8 @@ LEFT_PAD_MISTAKES = {
     float_ids: "holds float32",
     cut_to_the_shortest: "pad every row to the LONGEST list",
     only_the_ids: "should return two tensors, (input_ids, attention_mask)",
+    a_boolean_mask: "attention_mask holds bool",
+    padding_the_lists_in_place: "changed its input token_lists in place",
 }
 
 
@@ -78,6 +103,7 @@ def test_left_pad_check_passes_the_course_solution_quickly(bundled):
     start = time.perf_counter()
     assert_passes(check_left_pad, course_left_pad, bundled[1])
     assert_passes(check_left_pad, left_pad, bundled[1])
+    assert_passes(check_left_pad, left_pad_with_rows_of_lists, bundled[1])
     assert time.perf_counter() - start < 5
 
 
@@ -119,18 +145,35 @@ def summing_down_the_columns(mask):
     return (mask.long().cumsum(dim=0) - 1).masked_fill(mask == 0, 1)
 
 
+def positions_in_float(mask):
+    return (mask.float().cumsum(dim=-1) - 1).masked_fill(mask == 0, 1)
+
+
+def positions_in_the_mask_itself(mask):
+    positions = mask.cumsum_(dim=-1)                     # the lesson's mask is changed
+    return (positions - 1).masked_fill(positions == 0, 1)
+
+
+def positions_with_where(mask):
+    """Right, written another way."""
+    return torch.where(mask.bool(), mask.long().cumsum(dim=-1) - 1, torch.ones_like(mask))
+
+
 POSITION_MISTAKES = {
     counting_from_one: "first token is at position 1, expected 0",
     column_numbers: "its column number, expected 0: count real tokens only",
     padding_left_at_minus_one: "the padding's positions are -1",
     padding_at_zero: "the padding's positions are [0], expected 1",
     summing_down_the_columns: "down the columns (over the rows, dim=0)",
+    positions_in_float: "the position ids holds float32",
+    positions_in_the_mask_itself: "changed its input attention_mask in place",
 }
 
 
 def test_position_check_passes_the_course_solution(bundled):
     assert_passes(check_position_ids_from_mask, course_position_ids_from_mask, bundled[1])
     assert_passes(check_position_ids_from_mask, position_ids_from_mask, bundled[1])
+    assert_passes(check_position_ids_from_mask, positions_with_where, bundled[1], "cpu")
 
 
 def test_position_check_says_not_written_for_a_stub(bundled):
@@ -156,6 +199,10 @@ def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                         past_key_values=past, use_cache=True)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print(f"step {step}: fed {tuple(ids.shape)}, mask {tuple(mask.shape)}, "
+                      f"cache holds {out.past_key_values.get_seq_length()} positions ->",
+                      [tokenizer.decode(t) for t in next_ids])
             new.append(next_ids)
             past, ids = out.past_key_values, next_ids
             mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
@@ -163,8 +210,9 @@ def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
-def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions=True,
-             pass_mask=True, grow_mask=True, step_positions=1, use_cache=True):
+def _batched(model, tokenizer, prompts, n_tokens, verbose=False, *, side="left",
+             pass_positions=True, pass_mask=True, grow_mask=True, step_positions=1,
+             use_cache=True):
     before = tokenizer.padding_side
     tokenizer.padding_side = side
     try:
@@ -180,6 +228,8 @@ def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions
                         position_ids=positions if pass_positions else None,
                         past_key_values=past if use_cache else None, use_cache=True)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print("step:", [tokenizer.decode(t) for t in next_ids])
             new.append(next_ids)
             if grow_mask or not use_cache:
                 mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
@@ -192,28 +242,65 @@ def _batched(model, tokenizer, prompts, n_tokens, *, side="left", pass_positions
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
-def padding_prompts_on_the_right(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, side="right")
+def padding_prompts_on_the_right(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, side="right")
 
 
-def without_position_ids(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, pass_positions=False)
+def without_position_ids(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, pass_positions=False)
 
 
-def without_the_attention_mask(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, pass_mask=False)
+def without_the_attention_mask(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, pass_mask=False)
 
 
-def mask_that_does_not_grow(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, grow_mask=False)
+def mask_that_does_not_grow(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, grow_mask=False)
 
 
-def positions_that_stand_still(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, step_positions=0)
+def positions_that_stand_still(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, step_positions=0)
 
 
-def without_the_cache(model, tokenizer, prompts, n):
-    return _batched(model, tokenizer, prompts, n, use_cache=False)
+def without_the_cache(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, use_cache=False)
+
+
+def batched_with_lists_of_ints(model, tokenizer, prompts, n_tokens, verbose=False):
+    """Right, written another way: each row's tokens kept as a list of ints, the cache's
+    length read from the mask."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt").to(model.device)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, rows = None, [[] for _ in prompts]
+    with torch.no_grad():
+        for step in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            if verbose:                               # the lesson's words, as its next cell shows
+                print(f"step {step}: fed {tuple(ids.shape)}, mask {tuple(mask.shape)}, cache "
+                      f"holds {out.past_key_values.get_seq_length()} positions ->",
+                      [tokenizer.decode(t) for t in out.logits[:, -1:].argmax(dim=-1)])
+            ids = out.logits[:, -1:].argmax(dim=-1)
+            for row, token in zip(rows, ids.flatten().tolist()):
+                row.append(token)
+            past = out.past_key_values
+            mask = torch.cat([mask, mask.new_ones((len(prompts), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+    return [tokenizer.decode(row) for row in rows]
+
+
+def batched_without_verbose(model, tokenizer, prompts, n_tokens):
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
+
+
+def batched_ignoring_verbose(model, tokenizer, prompts, n_tokens, verbose=False):
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
+
+
+def batched_always_printing(model, tokenizer, prompts, n_tokens, verbose=False):
+    print("batch of", len(prompts))
+    return course_batched_greedy(model, tokenizer, prompts, n_tokens)
 
 
 BATCHED_MISTAKES = {
@@ -223,12 +310,16 @@ BATCHED_MISTAKES = {
     mask_that_does_not_grow: "add a column of ones at every step",
     positions_that_stand_still: "every step moves each row one position further",
     without_the_cache: "step 1 fed 8 tokens per row without the cache",
+    batched_without_verbose: "the lesson calls it with verbose=True",
+    batched_ignoring_verbose: "with verbose=True it printed 0 line(s) for 3 steps",
+    batched_always_printing: "it printed 1 line(s) with verbose=False",
 }
 
 
 def test_batched_check_passes_the_course_solution_quickly(bundled):
     start = time.perf_counter()
     assert_passes(check_batched_greedy, course_batched_greedy, *bundled)
+    assert_passes(check_batched_greedy, batched_with_lists_of_ints, *bundled)
     assert time.perf_counter() - start < 10   # about 0.5 s on a quiet 2-core machine
 
 
@@ -250,3 +341,44 @@ def test_batched_check_catches(mistake, bundled):
     assert_caught(check_batched_greedy, mistake, *bundled, symptom=BATCHED_MISTAKES[mistake],
                   fallback=batched_greedy)
     assert bundled[1].padding_side == "left"     # the check leaves the tokenizer as it was
+
+
+def positions_filled_in_on_the_cpu(mask):
+    positions = torch.ones(mask.shape, dtype=torch.long)            # on the CPU
+    real = mask == 1
+    positions[real] = (mask.long().cumsum(dim=-1) - 1)[real]
+    return positions
+
+
+def batched_with_the_batch_left_on_the_cpu(model, tokenizer, prompts, n_tokens, verbose=False):
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")   # not moved to model.device
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    past, new = None, []
+    with torch.no_grad():
+        for step in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            if verbose:
+                print(f"step {step}")
+            new.append(next_ids)
+            past, ids = out.past_key_values, next_ids
+            mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+            positions = positions[:, -1:] + 1
+    return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
+
+
+EXERCISES = [
+    Exercise("left_pad", check_left_pad, ("tokenizer",), left_pad,
+             right=[course_left_pad, left_pad_with_rows_of_lists], wrong=LEFT_PAD_MISTAKES),
+    Exercise("position_ids_from_mask", check_position_ids_from_mask, ("tokenizer", "device"),
+             position_ids_from_mask, right=[course_position_ids_from_mask, positions_with_where],
+             wrong=POSITION_MISTAKES,
+             wrong_on_gpu={positions_filled_in_on_the_cpu: "a tensor made on the CPU met one on "
+                                                           "the GPU"}),
+    Exercise("batched_greedy", check_batched_greedy, ("model", "tokenizer"), batched_greedy,
+             right=[course_batched_greedy, batched_with_lists_of_ints], wrong=BATCHED_MISTAKES,
+             wrong_on_gpu={batched_with_the_batch_left_on_the_cpu: "a tensor made on the CPU "
+                                                                   "met one on the GPU"}),
+]

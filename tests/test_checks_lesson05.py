@@ -11,6 +11,7 @@ from torch import nn
 import helpers.lora
 from helpers.checks import check_lora_layer, check_merge_lora
 from helpers.checks.lesson05 import merge_lora
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,6 +64,25 @@ def forward_b_before_a(self, x):
     return self.base(x) + (x @ self.B @ self.A) * self.scale
 
 
+def forward_forming_a_times_b_first(self, x):
+    return self.base(x) + x @ (self.A @ self.B) * self.scale
+
+
+def forward_in_double_precision(self, x):
+    return (self.base(x) + (x @ self.A @ self.B) * self.scale).double()
+
+
+def forward_scaling_x_in_place(self, x):
+    out = self.base(x)
+    x *= self.scale                                    # the caller's x changes
+    return out + x @ self.A @ self.B
+
+
+def forward_with_matmul_and_a_scaled_b(self, x):
+    """Right, written another way: the scale folded into B, x multiplied by A first."""
+    return self.base(x) + torch.matmul(torch.matmul(x, self.A), self.B * self.scale)
+
+
 def forward_stub(self, x):
     raise NotImplementedError()
 
@@ -77,6 +97,9 @@ LORA_MISTAKES = {
     forward_detaching_the_adapter: "A and B get no gradient",
     forward_dividing_by_the_scale: "divided by the scale",
     forward_b_before_a: "x @ self.A @ self.B in that order",
+    forward_forming_a_times_b_first: "right numbers, but A·B was formed first",
+    forward_in_double_precision: "holds float64 (torch.double), expected float32",
+    forward_scaling_x_in_place: "changed its input x in place",
 }
 
 
@@ -115,6 +138,18 @@ def merge_b_times_a(base, A, B, scale):
     return base.weight + B @ A * scale
 
 
+def merge_in_double_precision(base, A, B, scale):
+    return merge_as_a_learner_writes_it(base, A, B, scale).double()
+
+
+def merge_with_torch_add(base, A, B, scale):
+    """Right, written another way: torch.add with alpha."""
+    delta = A @ B
+    if isinstance(base, nn.Linear):
+        delta = delta.T
+    return torch.add(base.weight, delta, alpha=scale)
+
+
 MERGE_MISTAKES = {
     merge_never_transposing: "nn.Linear stores its weight as (out x in)",
     merge_always_transposing: "Conv1D keeps (in x out)",
@@ -122,6 +157,7 @@ MERGE_MISTAKES = {
     merge_in_place: "changed the layer's own weight",
     merge_the_change_only: "this is the change alone",
     merge_b_times_a: "(in x r) @ (r x out)",
+    merge_in_double_precision: "holds float64 (torch.double), expected float32",
 }
 
 
@@ -131,7 +167,8 @@ def test_lora_check_passes_the_course_class_quickly():
     start = time.perf_counter()
     assert_passes(check_lora_layer, helpers.lora.LoraLayer)
     assert time.perf_counter() - start < 10   # ≤ 2 s on a quiet 2-core machine
-    assert_passes(check_lora_layer, _lora_class(forward_as_a_learner_writes_it))
+    for right in EXERCISES[0].right:
+        assert_passes(check_lora_layer, right)
 
 
 def test_lora_check_says_not_written_for_a_stub():
@@ -152,7 +189,8 @@ def test_lora_check_wants_a_class():
 
 def test_merge_check_passes_the_course_function():
     assert_passes(check_merge_lora, merge_lora)
-    assert_passes(check_merge_lora, merge_as_a_learner_writes_it)
+    for right in EXERCISES[1].right:
+        assert_passes(check_merge_lora, right)
 
 
 def test_merge_check_says_not_written_for_a_stub():
@@ -175,3 +213,18 @@ def test_the_merged_weight_computes_what_the_lora_layer_does():
             merged = merge_lora(base, layer.A, layer.B, layer.scale)
             out = x @ merged.T + base.bias if isinstance(base, nn.Linear) else x @ merged + base.bias
             assert torch.allclose(out, layer(x), atol=1e-5)
+
+
+def merge_on_the_cpu(base, A, B, scale):
+    return merge_as_a_learner_writes_it(base, A, B, scale).cpu()
+
+
+EXERCISES = [
+    Exercise("LoraLayer", check_lora_layer, (), helpers.lora.LoraLayer,
+             right=[_lora_class(forward_as_a_learner_writes_it),
+                    _lora_class(forward_with_matmul_and_a_scaled_b)],
+             wrong={_lora_class(f): symptom for f, symptom in LORA_MISTAKES.items()}),
+    Exercise("merge_lora", check_merge_lora, ("device",), merge_lora,
+             right=[merge_as_a_learner_writes_it, merge_with_torch_add], wrong=MERGE_MISTAKES,
+             wrong_on_gpu={merge_on_the_cpu: "the merged weight is on cpu, expected cuda"}),
+]

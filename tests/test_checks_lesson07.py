@@ -12,6 +12,7 @@ import pytest
 
 from helpers.checks import (check_generate_all, check_time_stream, generate_all_reference,
                             time_stream_reference)
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 
@@ -98,6 +99,39 @@ def stream_time_of_the_first_token(send, clock=time.perf_counter):
     return clock() - sum(gaps), gaps, text
 
 
+def stream_ttft_as_a_string(send, clock=time.perf_counter):
+    ttft, gaps, text = _timed(send, clock)
+    return f"{ttft:.6f}", gaps, text
+
+
+def stream_gaps_as_strings(send, clock=time.perf_counter):
+    ttft, gaps, text = _timed(send, clock)
+    return ttft, [f"{g:.6f}" for g in gaps], text
+
+
+def stream_as_in_the_lesson(send, clock=time.perf_counter):
+    start = clock()
+    stamps, text = [], ""
+    for event in send():
+        stamps.append(clock())
+        if not event.token.special:
+            text += event.token.text
+    return stamps[0] - start, [now - before for before, now in zip(stamps, stamps[1:])], text
+
+
+def stream_with_next(send, clock=time.perf_counter):
+    """Right, written another way: the first event read apart."""
+    start = clock()
+    events = iter(send())
+    first = next(events)
+    stamps = [clock()]
+    text = "" if first.token.special else first.token.text
+    for event in events:
+        stamps.append(clock())
+        text += "" if event.token.special else event.token.text
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], text
+
+
 STREAM_MISTAKES = {
     stream_clock_started_at_the_first_token: "the clock started when the first token arrived",
     stream_clock_started_after_send: "4.0 ms short, the time send() itself took",
@@ -111,6 +145,8 @@ STREAM_MISTAKES = {
     stream_without_a_clock_argument: "must take the clock as an argument",
     stream_read_whole_before_timing: "the stream was read to its end (list(...)?)",
     stream_time_of_the_first_token: "the clock's reading when the first token came",
+    stream_ttft_as_a_string: "ttft (seconds) should be a number (an int or a float), got str",
+    stream_gaps_as_strings: "gap 0 (seconds) should be a number (an int or a float), got str",
 }
 
 
@@ -158,6 +194,33 @@ def all_request_as_one_argument(aclient, requests):
     return go()
 
 
+async def all_two_at_a_time(aclient, requests):
+    texts = []
+    for i in range(0, len(requests), 2):
+        replies = await asyncio.gather(*(aclient.generate(**r) for r in requests[i:i + 2]))
+        texts += [reply.generated_text for reply in replies]
+    return texts
+
+
+async def all_but_the_last_together(aclient, requests):
+    if len(requests) < 2:
+        return [(await aclient.generate(**r)).generated_text for r in requests]
+    replies = list(await asyncio.gather(*(aclient.generate(**r) for r in requests[:-1])))
+    replies.append(await aclient.generate(**requests[-1]))
+    return [reply.generated_text for reply in replies]
+
+
+async def all_as_in_the_lesson(aclient, requests):
+    replies = await asyncio.gather(*(aclient.generate(**request) for request in requests))
+    return [reply.generated_text for reply in replies]
+
+
+async def all_with_tasks(aclient, requests):
+    """Right, written another way: a task per request, awaited in order."""
+    tasks = [asyncio.create_task(aclient.generate(**r)) for r in requests]
+    return [(await task).generated_text for task in tasks]
+
+
 GATHER_MISTAKES = {
     all_one_after_another: "went out one after another",
     all_in_the_order_they_finish: "in the order they finished",
@@ -167,6 +230,8 @@ GATHER_MISTAKES = {
     all_tasks_in_a_set: "all there but in another order",
     all_with_asyncio_run: "define it with `async def`",
     all_request_as_one_argument: "prompt went out as the whole request, a dict",
+    all_two_at_a_time: "at most 2 of the 3 requests were in flight at once",
+    all_but_the_last_together: "at most 2 of the 3 requests were in flight at once",
 }
 
 
@@ -196,23 +261,9 @@ def test_an_async_stub_is_not_written_yet():
 
 
 def test_other_right_answers_pass():
-    def stream_with_next(send, clock=time.perf_counter):
-        start = clock()
-        events = iter(send())
-        first = next(events)
-        stamps = [clock()]
-        text = "" if first.token.special else first.token.text
-        for event in events:
-            stamps.append(clock())
-            text += "" if event.token.special else event.token.text
-        return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], text
-
-    async def with_tasks(aclient, requests):
-        tasks = [asyncio.create_task(aclient.generate(**r)) for r in requests]
-        return [(await task).generated_text for task in tasks]
-
-    assert_passes(check_time_stream, stream_with_next)
-    assert_passes(check_generate_all, with_tasks)
+    for exercise in EXERCISES:
+        for right in exercise.right:
+            assert_passes(exercise.check, right)
 
 
 @pytest.mark.parametrize("mistake", STREAM_MISTAKES, ids=lambda f: f.__name__)
@@ -274,3 +325,24 @@ def test_both_reference_functions_work_against_the_course_server():
         assert texts == [client.generate(**r).generated_text for r in requests]
     finally:
         server.stop()
+
+
+EXERCISES = [
+    Exercise("time_stream", check_time_stream, (), time_stream_reference,
+             right=[stream_as_in_the_lesson, stream_with_next], wrong=STREAM_MISTAKES),
+    Exercise("generate_all", check_generate_all, (), generate_all_reference,
+             right=[all_as_in_the_lesson, all_with_tasks], wrong=GATHER_MISTAKES),
+]
+
+
+def stream_text_before_the_clock(send, clock=time.perf_counter):
+    start = clock()
+    stamps, text = [], ""
+    for event in send():
+        if not event.token.special:
+            text += event.token.text
+        stamps.append(clock())
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], text
+
+
+STREAM_MISTAKES[stream_text_before_the_clock] = "read clock() first thing for each event"

@@ -12,6 +12,7 @@ from helpers import BlockManager, PoolExhausted
 from helpers.paged import block_hash
 from helpers.checks import check_block_hashes, check_blocks
 from helpers.checks.lesson08 import course_block_hashes
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 
@@ -54,12 +55,32 @@ def hashes_as_a_tuple(token_ids, block_size, adapter=None):
     return tuple(block_hashes(token_ids, block_size, adapter))
 
 
+def hashes_eating_the_list(token_ids, block_size, adapter=None):
+    names, parent = [], None
+    while len(token_ids) >= block_size:
+        parent = block_hash(parent, token_ids[:block_size], adapter)
+        names.append(parent)
+        del token_ids[:block_size]                      # the caller's list shrinks
+    return names
+
+
+def hashes_with_a_while_loop(token_ids, block_size, adapter=None):
+    """Right, written another way: a start index that moves a block at a time."""
+    names, start = [], 0
+    while start + block_size <= len(token_ids):
+        names.append(block_hash(names[-1] if names else None,
+                                token_ids[start:start + block_size], adapter))
+        start += block_size
+    return names
+
+
 HASH_MISTAKES = {
     hashes_without_parent: "pass the previous block's name as the parent",
     hashes_of_partial_blocks: "a partial block gets no name",
     hashes_without_adapter: "the names ignore the adapter 'entities'",
     hashes_of_overlapping_blocks: "your blocks overlap",
     hashes_as_a_tuple: "should return a list of names",
+    hashes_eating_the_list: "changed its input token_ids in place",
 }
 
 
@@ -281,6 +302,7 @@ def test_the_reference_hashes_are_the_block_managers():
 def test_hash_check_passes_the_course_function():
     assert_passes(check_block_hashes, block_hashes)
     assert_passes(check_block_hashes, course_block_hashes)
+    assert_passes(check_block_hashes, hashes_with_a_while_loop)
 
 
 def test_hash_check_says_not_written_for_a_stub():
@@ -329,3 +351,11 @@ def test_the_fallback_class_runs_the_lesson_scenario():
     assert manager.allocate("A", list(range(10)), 3) == 0
     with pytest.raises(PoolExhausted):
         manager.allocate("B", list(range(40)), 1)
+
+
+EXERCISES = [
+    Exercise("block_hashes", check_block_hashes, (), course_block_hashes,
+             right=[block_hashes, hashes_with_a_while_loop], wrong=HASH_MISTAKES),
+    Exercise("Blocks", check_blocks, (), BlockManager, right=[Blocks, BlockManager],
+             wrong=BLOCK_MISTAKES),
+]

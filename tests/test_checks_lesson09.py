@@ -10,6 +10,7 @@ import torch
 from helpers.checks import check_expected_tokens, check_lookup, check_verify
 from helpers.checks.lesson09 import course_expected_tokens, course_lookup
 from helpers.speculative import verify_greedy
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,6 +76,28 @@ def verify_without_the_models_token(model, cache, unread, guesses):
     return new[:-1] if len(new) <= len(guesses) else new   # keeps the bonus, drops the correction
 
 
+def verify_extending_the_guesses(model, cache, unread, guesses):
+    new = _verify(model, cache, unread, guesses)
+    guesses += new[len(guesses):]                          # the caller's list grows
+    return new
+
+
+def verify_with_a_python_loop(model, cache, unread, guesses):
+    """Right, written another way: zip over the guesses and the choices."""
+    ids = torch.tensor([unread + guesses], device=model.device)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    choices = out.logits[0, len(unread) - 1:].argmax(dim=-1).tolist()
+    kept = []
+    for guess, choice in zip(guesses, choices):
+        if guess != choice:
+            break
+        kept.append(guess)
+    if len(kept) < len(guesses):
+        cache.crop(len(kept) - len(guesses))
+    return kept + [choices[len(kept)]]
+
+
 VERIFY_MISTAKES = {
     verify_without_crop: "rejected guess(es) are still in it",
     verify_keeping_the_rejected_guess: "keep only the guesses before the first mismatch",
@@ -84,6 +107,7 @@ VERIFY_MISTAKES = {
     verify_returning_a_tensor: "use .tolist()",
     verify_cropping_the_kept_guesses_too: "crop only the",
     verify_without_the_models_token: "every pass writes at least one token",
+    verify_extending_the_guesses: "changed its input guesses in place",
 }
 
 
@@ -106,6 +130,28 @@ def lookup(ids, k, max_ngram=3):                             # as in the lesson
     return _lookup(ids, k, max_ngram)
 
 
+def lookup_reversing_ids(ids, k, max_ngram=3):
+    ids.reverse()                                           # searched back to front, in place
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        head = ids[:n]
+        for start in range(1, len(ids) - n + 1):
+            if ids[start:start + n] == head:
+                return ids[max(start - k, 0):start][::-1]
+    return []
+
+
+def lookup_with_a_dictionary_of_tails(ids, k, max_ngram=3):
+    """Right, written another way: for each n, the latest start of every n-gram before the tail."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        latest = {}
+        for start in range(len(ids) - n):
+            latest[tuple(ids[start:start + n])] = start
+        start = latest.get(tuple(ids[-n:]))
+        if start is not None:
+            return ids[start + n:start + n + k]
+    return []
+
+
 LOOKUP_MISTAKES = {
     (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, latest=False)): "take the latest one",
     (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, longest_first=False)): "shortest n-gram first",
@@ -113,9 +159,10 @@ LOOKUP_MISTAKES = {
     (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, after=False)): "not the match itself",
     (lambda ids, k, max_ngram=3: _lookup(ids, k, max_ngram, fixed_ngram=True)): "n-grams of at most max_ngram tokens (here 1)",
     (lambda ids, k, max_ngram=3: _lookup(ids, k + 1, max_ngram)): "at most k = ",
+    lookup_reversing_ids: "changed its input ids in place",
 }
 LOOKUP_NAMES = ["earliest occurrence", "shortest first", "tail matches itself", "the match itself",
-                "max_ngram ignored", "k + 1 guesses"]
+                "max_ngram ignored", "k + 1 guesses", "ids reversed in place"]
 
 
 # ---- expected_tokens: the lesson's solution and typical mistakes -----------------------------
@@ -124,15 +171,21 @@ def expected_tokens(alpha, k):                               # as in the lesson
     return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
 
 
+def expected_tokens_as_a_sum(alpha, k):
+    """Right, written another way: the sum of the series, term by term."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
 EXPECTED_MISTAKES = {
     (lambda a, k: (1 - a ** k) / (1 - a) if a < 1 else k): "one term short",
     (lambda a, k: 1 + a * k): "guess i is kept only when all the guesses before it were",
     (lambda a, k: (1 - a ** (k + 1)) / (1 - a)): "alpha = 1 divides by zero",
     (lambda a, k: a * (1 - a ** k) / (1 - a) if a < 1 else k): "the model's own token (+1)",
     (lambda a, k: (1 - a ** (k + 1)) / (1 - a) if a < 1 else k): "a pass writes the k guesses and the model's own token",
+    (lambda a, k: f"{expected_tokens(a, k):.2f}"): "should be a number (an int or a float), got str",
 }
 EXPECTED_NAMES = ["k terms", "1 + k alpha", "alpha = 1 unhandled", "accepted guesses only",
-                  "k at alpha = 1"]
+                  "k at alpha = 1", "a string"]
 
 
 # ---- the tests -------------------------------------------------------------------------------
@@ -187,3 +240,34 @@ def test_expected_tokens_check_says_not_written_for_a_stub():
 def test_expected_tokens_check_catches(mistake):
     assert_caught(check_expected_tokens, mistake, symptom=EXPECTED_MISTAKES[mistake],
                   fallback=course_expected_tokens)
+
+
+def verify_with_the_ids_on_the_cpu(model, cache, unread, guesses):
+    ids = torch.tensor([unread + guesses])                          # not on model.device
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    choices = logits[len(unread) - 1:].argmax(dim=-1).tolist()
+    n = 0
+    while n < len(guesses) and guesses[n] == choices[n]:
+        n += 1
+    if n < len(guesses):
+        cache.crop(-(len(guesses) - n))
+    return guesses[:n] + [choices[n]]
+
+
+EXERCISES = [
+    Exercise("verify", check_verify, ("model", "tokenizer"), verify_greedy,
+             right=[verify, verify_with_a_python_loop], wrong=VERIFY_MISTAKES,
+             wrong_on_gpu={verify_with_the_ids_on_the_cpu: "a tensor made on the CPU met one on "
+                                                           "the GPU"}),
+    Exercise("lookup", check_lookup, (), course_lookup,
+             right=[lookup, lookup_with_a_dictionary_of_tails], wrong=LOOKUP_MISTAKES),
+    Exercise("expected_tokens", check_expected_tokens, (), course_expected_tokens,
+             right=[expected_tokens, expected_tokens_as_a_sum], wrong=EXPECTED_MISTAKES),
+]
+
+
+def test_right_answers_written_otherwise_pass(bundled):
+    assert_passes(check_verify, verify_with_a_python_loop, *bundled)
+    assert_passes(check_lookup, lookup_with_a_dictionary_of_tails)
+    assert_passes(check_expected_tokens, expected_tokens_as_a_sum)

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from helpers.checks import (check_break_even, check_capture_size, check_counting_backend,
+                            check_replay,
                             check_pad_batch)
-from helpers.compilation import CountingBackend, break_even_tokens, capture_size, pad_batch
+from helpers.compilation import (CountingBackend, break_even_tokens, capture_size, pad_batch,
+                                 replay_step)
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,6 +56,31 @@ def next_power_of_two(batch, sizes=(1, 2, 4, 8, 16, 32, 64)):
     return 1 << (batch - 1).bit_length() if batch <= max(sizes) else None
 
 
+def bisecting(batch, sizes=(1, 2, 4, 8, 16, 32, 64)):              # needs sorted sizes
+    import bisect
+    i = bisect.bisect_left(list(sizes), batch)
+    return sizes[i] if i < len(sizes) else None
+
+
+def sorting_the_sizes_in_place(batch, sizes=(1, 2, 4, 8, 16, 32, 64)):
+    sizes.sort()                                      # a tuple has no sort(); a list changes
+    return next((size for size in sizes if size >= batch), None)
+
+
+def without_the_default_sizes(batch, sizes):
+    return lesson_capture_size(batch, sizes)
+
+
+def size_as_a_float(batch, sizes=(1, 2, 4, 8, 16, 32, 64)):
+    found = lesson_capture_size(batch, sizes)
+    return None if found is None else float(found)
+
+
+def from_sorted_sizes(batch, sizes=(1, 2, 4, 8, 16, 32, 64)):
+    """Right, written another way: the sizes sorted (a copy), then the first that fits."""
+    return next((size for size in sorted(sizes) if size >= batch), None)
+
+
 CAPTURE_MISTAKES = {
     rounding_down: "cannot hold the batch",
     strictly_larger: "compare with >=, not >",
@@ -60,7 +88,15 @@ CAPTURE_MISTAKES = {
     largest_when_too_big: "return None",
     raising_when_too_big: "raised ValueError: no size holds 65 rows",
     next_power_of_two: "not the next power of two",
+    bisecting: "nor a bisect, which needs them sorted",
+    sorting_the_sizes_in_place: "are not yours to change: sorted(sizes) makes a sorted copy",
+    without_the_default_sizes: "keep the default, def capture_size(batch, sizes=CAPTURE_SIZES)",
+    size_as_a_float: "gave 1.0, a float: return one of the sizes as it is (an int)",
 }
+
+
+def test_capture_size_check_passes_right_answers_written_otherwise():
+    assert_passes(check_capture_size, from_sorted_sizes)
 
 
 def test_capture_size_check_passes_the_course_functions():
@@ -112,6 +148,25 @@ def a_list(input_ids, size, pad_token_id):
     return lesson_pad_batch(input_ids, size, pad_token_id).tolist()
 
 
+def padding_made_with_torch_full(input_ids, size, pad_token_id):
+    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), pad_token_id)
+    return torch.cat([input_ids, padding])           # int64, on the CPU
+
+
+def padding_into_the_input(input_ids, size, pad_token_id):
+    out = input_ids.new_full((size, input_ids.shape[1]), pad_token_id)
+    out[:input_ids.shape[0]] = input_ids
+    input_ids.fill_(pad_token_id)                      # the caller's batch is gone
+    return out
+
+
+def padding_with_new_full_and_a_slice(input_ids, size, pad_token_id):
+    """Right, written another way: a full batch of padding, the real rows copied in."""
+    out = input_ids.new_full((size, input_ids.shape[1]), pad_token_id)
+    out[:input_ids.shape[0]] = input_ids
+    return out
+
+
 PAD_MISTAKES = {
     padding_on_top: "put them first and the padding below",
     padding_positions: "pad rows (dimension 0, the batch), not positions",
@@ -119,12 +174,15 @@ PAD_MISTAKES = {
     padding_with_zeros: "should hold pad_token_id (99)",
     float_padding: "token ids stay integers",
     a_list: "should return a tensor, got list",
+    padding_made_with_torch_full: "the result is torch.int64, the input torch.int32",
+    padding_into_the_input: "changed its input input_ids in place",
 }
 
 
 def test_pad_batch_check_passes_the_course_functions():
     assert_passes(check_pad_batch, lesson_pad_batch)
     assert_passes(check_pad_batch, pad_batch)
+    assert_passes(check_pad_batch, padding_with_new_full_and_a_slice)
 
 
 def test_pad_batch_check_says_not_written_for_a_stub():
@@ -196,6 +254,19 @@ class Stub(LessonBackend):
         raise NotImplementedError()
 
 
+class KeepingTheFirstResult(LessonBackend):
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        first = gm.forward(*example_inputs)            # a constant, whatever the inputs
+        return lambda *args: first
+
+
+class IgnoringItsInputs(LessonBackend):
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return lambda *args: gm.forward(*example_inputs)
+
+
 COUNTING_MISTAKES = {
     ReturningNothing: "must return a callable",
     KeepingTheInputs: "keep the graph itself, gm",
@@ -203,6 +274,8 @@ COUNTING_MISTAKES = {
     SharedList: "a list of its own",
     NotAppending: "append gm in __call__",
     OneArgument: "called with two arguments, gm and example_inputs",
+    KeepingTheFirstResult: "a second call with new values gives what the first call gave",
+    IgnoringItsInputs: "a second call with new values gives what the first call gave",
 }
 
 
@@ -251,7 +324,7 @@ def not_rounded(compile_seconds, eager_step, compiled_step, batch=1):
     return compile_seconds / saving * batch if saving > 0 else math.inf
 
 
-def rounded_after(compile_seconds, eager_step, compiled_step, batch=1):   # also accepted
+def rounded_after(compile_seconds, eager_step, compiled_step, batch=1):
     saving = eager_step - compiled_step
     return math.ceil(compile_seconds / saving * batch) if saving > 0 else math.inf
 
@@ -289,6 +362,24 @@ def ratio_of_steps(compile_seconds, eager_step, compiled_step, batch=1):
     return math.ceil(compile_seconds / (eager_step / compiled_step)) * batch
 
 
+def one_step_more(compile_seconds, eager_step, compiled_step, batch=1):
+    saving = eager_step - compiled_step
+    return (int(compile_seconds / saving) + 1) * batch if saving > 0 else math.inf
+
+
+def tokens_as_a_float(compile_seconds, eager_step, compiled_step, batch=1):
+    saving = eager_step - compiled_step
+    return float(math.ceil(compile_seconds / saving) * batch) if saving > 0 else math.inf
+
+
+def with_integer_division(compile_seconds, eager_step, compiled_step, batch=1):
+    """Right, written another way: ceil as minus floor of minus."""
+    saving = eager_step - compiled_step
+    if saving <= 0:
+        return math.inf
+    return int(-(-compile_seconds // saving)) * batch
+
+
 BREAK_EVEN_MISTAKES = {
     steps_only: "multiply by the batch",
     not_rounded: "round them up (math.ceil)",
@@ -297,15 +388,18 @@ BREAK_EVEN_MISTAKES = {
     saving_inverted: "the saving per step is eager_step − compiled_step",
     none_when_never: "return math.inf when the compiled step saves nothing",
     ratio_of_steps: "divided by the saving per step",
-    rounded_down: "rounded up to whole steps",
-    rounded_to_nearest: "rounded up to whole steps",
+    rounded_down: "the steps were rounded down",
+    rounded_to_nearest: "the steps were rounded down (3906.25 to 3906, by int(), floor or round())",
+    rounded_after: "rounding the tokens up counts part of a step",
+    one_step_more: "math.ceil, not int(...) + 1",
+    tokens_as_a_float: "a float: return an int",
 }
 
 
 def test_break_even_check_passes_the_course_functions():
     assert_passes(check_break_even, lesson_break_even)
     assert_passes(check_break_even, break_even_tokens)
-    assert_passes(check_break_even, rounded_after)
+    assert_passes(check_break_even, with_integer_division)
 
 
 def test_break_even_check_says_not_written_for_a_stub():
@@ -412,3 +506,24 @@ def test_replay_check_catches(mistake):
     from helpers.compilation import replay_step
 
     assert_caught(check_replay, mistake, symptom=REPLAY_MISTAKES[mistake], fallback=replay_step)
+
+def padding_of_the_dtype_on_the_cpu(input_ids, size, pad_token_id):
+    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), pad_token_id,
+                         dtype=input_ids.dtype)                    # on the CPU
+    return torch.cat([input_ids, padding])
+
+
+EXERCISES = [
+    Exercise("CountingBackend", check_counting_backend, (), CountingBackend,
+             right=[LessonBackend, ReturningTheGraph], wrong=COUNTING_MISTAKES),
+    Exercise("capture_size", check_capture_size, (), capture_size,
+             right=[lesson_capture_size, from_sorted_sizes], wrong=CAPTURE_MISTAKES),
+    Exercise("pad_batch", check_pad_batch, ("device",), pad_batch,
+             right=[lesson_pad_batch, padding_with_new_full_and_a_slice], wrong=PAD_MISTAKES,
+             wrong_on_gpu={padding_of_the_dtype_on_the_cpu: "a tensor made on the CPU met one on "
+                                                            "the GPU"}),
+    Exercise("break_even_tokens", check_break_even, (), break_even_tokens,
+             right=[lesson_break_even, with_integer_division], wrong=BREAK_EVEN_MISTAKES),
+    Exercise("replay", check_replay, (), replay_step, right=[lesson_replay],
+             wrong=REPLAY_MISTAKES),
+]

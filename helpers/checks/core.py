@@ -25,6 +25,7 @@ A lesson's check is a function ``check_<name>(learner_code, ...)``; its cases li
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ PASSED, FAILED, NOT_YET = "✓", "✗", "…"
 NOT_WRITTEN = "not written yet"
 USING_OURS = "the rest of the lesson uses the course's version"
 MAX_LINE = 400
+DEVICES_MET = ("a tensor made on the CPU met one on the GPU: make every new tensor on the "
+               "inputs' device (device=x.device, x.new_zeros(...), .to(model.device))")
 
 
 class Hint(Exception):
@@ -67,8 +70,9 @@ def run_check(name: str, candidate: Any, checker: Callable[[Any, Cases], None], 
     passed or ``fallback`` (the course's version) when it did not.
 
     ``causes`` maps a piece of an exception's message to its usual cause in this exercise
-    (``{"Sizes of tensors must match": "pad the shorter history first"}``): when the learner's
-    code raises such an exception, the line ends with that cause."""
+    (``{"Sizes of tensors must match": "pad the shorter history first"}``), or is a function
+    of the exception that returns that cause (or None): when the learner's code raises such an
+    exception, the line ends with that cause."""
     if candidate is None or (kind == "function" and not callable(candidate)):
         print(f"{FAILED} {name}: expected a {kind}, got {type(candidate).__name__}; "
               f"{USING_OURS}.")
@@ -86,7 +90,12 @@ def run_check(name: str, candidate: Any, checker: Callable[[Any, Cases], None], 
     except Exception as error:     # the learner's code failed: one line, never a traceback
         where = f" on the case: {cases.current}" if cases.current else ""
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        cause = next((c for text, c in (causes or {}).items() if text in str(error)), None)
+        if callable(causes):
+            cause = causes(error)
+        else:
+            cause = next((c for text, c in (causes or {}).items() if text in str(error)), None)
+        if cause is None and "same device" in str(error):     # torch's words for two devices
+            cause = DEVICES_MET
         message = (message if len(message) <= 100 else message[:99] + "…")
         message += f"; likely cause: {cause}" if cause else ""
         print(_one_line(f"{FAILED} {name} raised {type(error).__name__}{where}: {message}")
@@ -102,6 +111,38 @@ def shape_of(x) -> tuple:
     return tuple(x.shape) if hasattr(x, "shape") else ()
 
 
+def dtype_name(dtype) -> str:
+    """``torch.int64`` -> ``'int64 (torch.long)'``: the name a learner finds in the docs."""
+    name = str(dtype).replace("torch.", "")
+    aliases = {"int64": "torch.long", "float32": "torch.float", "float64": "torch.double",
+               "int32": "torch.int", "float16": "torch.half"}
+    return f"{name} ({aliases[name]})" if name in aliases else name
+
+
+def _is_integer_dtype(dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex) and dtype != torch.bool
+
+
+def dtype_hint(what: str, got, expected) -> str:
+    """The sentence that names a dtype difference and its usual cause."""
+    said = f"{what} holds {dtype_name(got)}, expected {dtype_name(expected)}"
+    if _is_integer_dtype(expected) and (got.is_floating_point or got == torch.bool):
+        return (f"{said}: ids, masks, positions and codes are integers; torch.zeros and "
+                f"torch.ones make floats unless given dtype={expected}")
+    if expected.is_floating_point and not got.is_floating_point:
+        return f"{said}: the values are real numbers; compute in floats (.float())"
+    return (f"{said}: keep the dtype of the inputs (a new tensor takes dtype=... of the tensor "
+            f"it joins, e.g. x.new_zeros(...), torch.zeros_like(x))")
+
+
+def device_hint(what: str, got, expected) -> str:
+    """The sentence that names a device difference and its usual cause."""
+    return (f"{what} is on {got}, expected {expected}, where the inputs are: make every new "
+            f"tensor on the inputs' device (device=x.device, x.new_zeros(...), "
+            f"torch.zeros_like(x)) or move it with .to(x.device); on a GPU, tensors on two "
+            f"devices cannot meet in one operation")
+
+
 def expect_shape(what: str, got, shape: tuple, why: str = "") -> None:
     """Raise a Hint unless ``got`` is a tensor of ``shape``; ``why`` ends the hint
     (": one position per token")."""
@@ -111,11 +152,23 @@ def expect_shape(what: str, got, shape: tuple, why: str = "") -> None:
         raise Hint(f"{what} has shape {tuple(got.shape)}, expected {tuple(shape)}{why}")
 
 
+def expect_like(what: str, got, expected: torch.Tensor, why: str = "") -> None:
+    """Raise a Hint unless ``got`` is a tensor of ``expected``'s shape, dtype and device: what
+    the lesson's later cells feed it to (the model's embedding wants integer ids, a tensor on
+    the CPU cannot meet one on the GPU)."""
+    expect_shape(what, got, tuple(expected.shape), why)
+    if got.dtype != expected.dtype:
+        raise Hint(dtype_hint(what, got.dtype, expected.dtype))
+    if got.device != expected.device:
+        raise Hint(device_hint(what, got.device, expected.device))
+
+
 def expect_tensor(what: str, got, expected: torch.Tensor, atol: float = 0.0,
                   rows: str = "row", cols: str = "column") -> None:
     """Raise a Hint naming the first place where ``got`` differs from ``expected``: a missing
-    tensor, another shape, or the first (row, column) whose value differs."""
-    expect_shape(what, got, tuple(expected.shape))
+    tensor, another shape, another dtype or device, or the first (row, column) whose value
+    differs."""
+    expect_like(what, got, expected)
     got_c, exp_c = got.detach().cpu(), expected.detach().cpu()
     if got_c.is_floating_point() or exp_c.is_floating_point():
         bad = ~torch.isclose(got_c.double(), exp_c.double(), atol=atol, rtol=1e-4 if atol else 0)
@@ -131,20 +184,56 @@ def expect_tensor(what: str, got, expected: torch.Tensor, atol: float = 0.0,
     raise Hint(f"{what} differs at {place}: got {fmt(g)}, expected {fmt(e)}")
 
 
+def expect_unchanged(what: str, before, after) -> None:
+    """Raise a Hint when the learner's code changed an input it was given (a tensor, or a
+    list of tensors or numbers): the lesson goes on using its inputs afterwards."""
+    same = (torch.equal(before, after) if isinstance(before, torch.Tensor)
+            else before == after)
+    if not same:
+        raise Hint(f"your code changed its input {what} in place; the lesson uses it again "
+                   f"afterwards: compute into new tensors (no +=, *_() methods or slice "
+                   f"assignment on the input)")
+
+
 def expect_equal(what: str, got, expected) -> None:
     """Raise a Hint when two plain values (numbers, lists) differ, with both shown."""
     if got != expected:
         raise Hint(f"{what}: got {_short(got)}, expected {_short(expected)}")
 
 
+def expect_number(what: str, got) -> float:
+    """``got`` as a float, or a Hint unless it is a plain number (an int or a float, not a
+    string, a tensor or a bool): the lesson's later cells format and add it."""
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        extra = ": use .item()" if isinstance(got, torch.Tensor) and got.numel() == 1 else ""
+        raise Hint(f"{what} should be a number (an int or a float), got "
+                   f"{type(got).__name__}{extra}")
+    return float(got)
+
+
+def expect_int_list(what: str, got) -> list[int]:
+    """``got`` itself when it is a list of Python ints; else a Hint that names what it holds
+    (a tensor, a tuple, a list of tensors or floats): the lesson compares it with lists of
+    ints and decodes it."""
+    if isinstance(got, torch.Tensor):
+        raise Hint(f"{what} should be a list of ints, got a tensor: return .tolist() of it, or "
+                   f"append int(token) at every step")
+    if not isinstance(got, list):
+        raise Hint(f"{what} should be a list of ints, got {type(got).__name__}")
+    for item in got:
+        if isinstance(item, bool) or not isinstance(item, int):
+            how = (": append int(token), not the tensor" if isinstance(item, torch.Tensor)
+                   else "")
+            raise Hint(f"{what} should be a list of ints, but it holds "
+                       f"{type(item).__name__} values{how}")
+    return got
+
+
 def expect_close(what: str, got, expected: float, rel: float = 1e-6) -> None:
-    """Raise a Hint when a number is not within ``rel`` of the expected one."""
-    try:
-        ok = abs(float(got) - expected) <= rel * max(abs(expected), 1e-12)
-    except (TypeError, ValueError):
-        raise Hint(f"{what} should be a number, got {type(got).__name__}") from None
-    if not ok:
-        raise Hint(f"{what}: got {float(got):.6g}, expected {expected:.6g}")
+    """Raise a Hint when a number is not within ``rel`` of the expected one (or is no number)."""
+    value = expect_number(what, got)
+    if not abs(value - expected) <= rel * max(abs(expected), 1e-12):
+        raise Hint(f"{what}: got {value:.6g}, expected {expected:.6g}")
 
 
 def _short(value, limit: int = 80) -> str:

@@ -7,9 +7,10 @@ that went wrong: a step without the cache, a step that re-feeds the whole sequen
 that did not read the whole prompt.
 
 ``check_kv_cache_bytes_for`` compares the learner's formula with the course's on the bundled
-model (against the bytes of a real cache), GPT-2, Llama-2-7B and Llama-2-70B, and names the
+model (against the bytes of a real cache), GPT-2, Llama-2-7B, Llama-2-70B and two configs that
+set ``head_dim`` apart from hidden size / heads (Qwen3's and Gemma's sizes), and names the
 usual slip from the ratio of the two answers (keys *and* values, grouped-query attention, the
-batch, the bytes per value).
+head size, the batch, the bytes per value).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from ..generation import cache_nbytes, generate_with_cache, kv_cache_bytes_for
-from .core import Hint, run_check
+from .core import Hint, expect_int_list, expect_number, run_check
 
 __all__ = ["check_greedy_with_cache", "check_kv_cache_bytes_for"]
 
@@ -66,35 +67,28 @@ def recording(model):
         handle.remove()
 
 
-def _token_list(got, what: str) -> list[int]:
-    """The learner's answer as a list of ints (a list, a tuple or a 1-row tensor is fine)."""
-    if isinstance(got, str):
-        raise Hint(f"{what} returned a string; return the new token ids (a list of ints) and "
-                   f"decode them afterwards")
-    if isinstance(got, torch.Tensor):
-        if got.dim() > 1 and got.shape[0] != 1:
-            raise Hint(f"{what} returned a tensor of shape {tuple(got.shape)}; return the new "
-                       f"token ids as a list of ints")
-        got = got.reshape(-1).tolist()
-    try:
-        return [int(t) for t in got]
-    except (TypeError, ValueError):
-        raise Hint(f"{what} should return a list of token ids, got "
-                   f"{type(got).__name__}") from None
-
-
 # ---- greedy_with_cache ----------------------------------------------------------------------
 
 def greedy_with_cache(model, tokenizer, prompt: str, n_tokens: int) -> list[int]:
     """The course's answer to lesson 01's exercise: ``n_tokens`` greedy token ids after
     ``prompt``, with the KV cache, not stopping at EOS. (Lesson 01.)"""
+    if n_tokens == 0:
+        return []
     return generate_with_cache(model, tokenizer, prompt, max_new_tokens=n_tokens,
                                stop_at_eos=False).token_ids
 
 
-def _diagnose_steps(calls: list[dict], prompt_len: int, n_tokens: int) -> None:
-    """Raise a Hint at the first call that was not fed what a cached loop feeds it: the whole
-    prompt first, then one token with a cache that holds everything before it."""
+def _diagnose_steps(calls: list[dict], prompt_len: int, n_tokens: int, vocab: int) -> None:
+    """Raise a Hint at the first call that was not fed what a cached loop feeds it: token ids
+    of the vocabulary, the whole prompt first, then one token with a cache that holds
+    everything before it."""
+    for step, call in enumerate(calls):
+        ids = call["input_ids"]
+        if isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab:
+            raise Hint(f"step {step} fed token id {int(ids.max())}, but the vocabulary has "
+                       f"{vocab} ids: the argmax ran over the flattened logits (positions x "
+                       f"vocabulary); take it over the vocabulary at the last position, "
+                       f"out.logits[0, -1].argmax()")
     for step, call in enumerate(calls[:n_tokens]):
         ids = call["input_ids"]
         fed = ids.shape[-1] if isinstance(ids, torch.Tensor) else None
@@ -127,6 +121,7 @@ def _diagnose_steps(calls: list[dict], prompt_len: int, n_tokens: int) -> None:
 
 def _greedy_cases(model, tokenizer):
     eos = tokenizer.eos_token_id
+    vocab = model.get_input_embeddings().num_embeddings
     word = lambda t: repr(tokenizer.decode([t]))
     scenarios = [
         ("20 tokens after 'The rain in Spain falls' (past an <|endoftext|>)",
@@ -134,6 +129,7 @@ def _greedy_cases(model, tokenizer):
         ("one token only: the prefill alone", "Jack and Jill", 1),
         ("a prompt of one token", "Once", 8),
         ("40 tokens after 'Humpty Dumpty sat'", "Humpty Dumpty sat", 40),
+        ("no new tokens at all (n_tokens=0)", "Jack and Jill", 0),
     ]
 
     def checker(learner, cases):
@@ -147,16 +143,25 @@ def _greedy_cases(model, tokenizer):
                     except (NotImplementedError, Hint):
                         raise
                     except Exception:
-                        _diagnose_steps(calls, len(prompt_ids), n)   # a hint if a step was wrong
+                        _diagnose_steps(calls, len(prompt_ids), n, vocab)   # a hint if a step was wrong
                         raise
-                _diagnose_steps(calls, len(prompt_ids), n)
-                got = _token_list(got, "greedy_with_cache")
+                _diagnose_steps(calls, len(prompt_ids), n, vocab)
+                if isinstance(got, str):
+                    raise Hint("greedy_with_cache returned a string; return the new token ids (a "
+                               "list of ints) and decode them afterwards")
+                # The lesson decodes the answer and compares it with lists of ints: that is
+                # what is checked, as it is (no conversion here).
+                got = expect_int_list("greedy_with_cache's answer", got)
                 if got == expected:
                     if len(calls) > n:
-                        raise Hint(f"the right tokens, but the model ran {len(calls)} times for "
+                        raise Hint(f"the right tokens, but the model ran {len(calls)} time(s) for "
                                    f"{n} token(s): every call gives one token (the prefill gives "
                                    f"the first), so {n} call(s) are enough")
                     continue
+                if n == 0:
+                    raise Hint(f"returned {len(got)} token(s) for n_tokens=0: asked for no "
+                               f"token, return [] (every token, the first included, comes "
+                               f"from a step of the loop over range(n_tokens))")
                 if len(got) == len(prompt_ids) + n and got[len(prompt_ids):] == expected:
                     raise Hint(f"returned {len(got)} ids: the prompt's {len(prompt_ids)} and the "
                                f"{n} new ones; return only the new tokens")
@@ -194,9 +199,9 @@ GREEDY_CAUSES = {
 
 def check_greedy_with_cache(learner_greedy_with_cache, model, tokenizer):
     """Lesson 01: check the learner's ``greedy_with_cache(model, tokenizer, prompt, n_tokens)``
-    against the course's on four prompts (one new token, a one-token prompt, a run past EOS, 40
-    tokens), and what each model call was fed; print one line and return the function the rest
-    of the lesson should use."""
+    against the course's on five cases (one new token, none, a one-token prompt, a run past
+    EOS, 40 tokens), that it returns a list of ints, and what each model call was fed; print
+    one line and return the function the rest of the lesson should use."""
     return run_check("greedy_with_cache", learner_greedy_with_cache,
                      _greedy_cases(model, tokenizer), fallback=greedy_with_cache,
                      causes=GREEDY_CAUSES)
@@ -213,6 +218,13 @@ def _configs():
                           max_position_embeddings=4096),
         "70b": LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                            num_key_value_heads=8, max_position_embeddings=4096),
+        # Qwen3-0.6B's sizes: head_dim 128 is set apart from hidden_size // heads = 64, and
+        # 16 heads share 8 kv heads
+        "qwen3": LlamaConfig(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+        # Gemma-7B's sizes: head_dim 256, not 3072 // 16 = 192; no grouped-query attention
+        "gemma": LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=16, head_dim=256, max_position_embeddings=8192),
     }
 
 
@@ -225,11 +237,20 @@ def _ratio_hint(got: float, expected: float, config, seq_len: int, batch: int, n
     ratio = got / expected if expected else float("nan")
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
     near = lambda r: abs(ratio - r) <= 1e-6 * r
+    if head_dim != hidden // heads:
+        for wrong_heads in {kv_heads, heads}:
+            if near(wrong_heads * (hidden // heads) / (kv_heads * head_dim)):
+                return (f"this config sets head_dim = {head_dim}, not hidden_size // "
+                        f"num_attention_heads = {hidden // heads}: use config.head_dim when it "
+                        f"is set (getattr(config, 'head_dim', None) or hidden_size // heads)"
+                        + (f", and the {kv_heads} kv heads" if wrong_heads != kv_heads else ""))
     if kv_heads != heads and near(heads / kv_heads):
         return (f"{heads // kv_heads}x the expected: this model shares each kv head among "
                 f"{heads // kv_heads} query heads ({kv_heads} kv heads for {heads}), so its keys "
-                f"are kv heads x head size = {kv_heads * (config.hidden_size // heads)} wide, "
+                f"are kv heads x head size = {kv_heads * head_dim} wide, "
                 f"not hidden_size = {config.hidden_size}")
     if nbytes != 2 and near(2 / nbytes):
         return f"as if every value took 2 bytes: use bytes_per_value, here {nbytes}"
@@ -278,23 +299,21 @@ def _bytes_cases(model, tokenizer):
             config = configs["gpt2"]
             expected = kv_cache_bytes_for(config, seq_len=100)
             got = learner(config, seq_len=100)
-            try:
-                explicit = float(learner(config, seq_len=100, batch=1, bytes_per_value=2))
-            except (TypeError, ValueError):
-                explicit = None
+            explicit = learner(config, seq_len=100, batch=1, bytes_per_value=2)
             if explicit == expected and got != expected:
                 raise Hint(f"right with batch=1, bytes_per_value=2 given, wrong without them: "
                            f"make those the defaults")
             _expect_size(got, expected, config, 100, 1, 2,
                          f"with only (config, seq_len=100) expected {expected:,.0f} bytes")
+        formula_case(learner, cases, "Qwen3-0.6B: head_dim 128 set apart from hidden_size / "
+                     "heads = 64, 16 heads share 8 kv heads", configs["qwen3"], 2048, 1, 2)
+        formula_case(learner, cases, "Gemma-7B: head_dim 256 set apart from hidden_size / "
+                     "heads = 192", configs["gemma"], 8192, 2, 2)
     return checker
 
 
 def _expect_size(got, expected, config, seq_len, batch, nbytes, saying: str) -> None:
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        raise Hint(f"should return a number of bytes, got {type(got).__name__}") from None
+    value = expect_number("the size in bytes", got)      # the lesson formats and divides it
     if abs(value - expected) <= 1e-6 * expected:
         return
     cause = _ratio_hint(value, expected, config, seq_len, batch, nbytes)
@@ -314,8 +333,9 @@ BYTES_CAUSES = {
 def check_kv_cache_bytes_for(learner_kv_cache_bytes_for, model, tokenizer):
     """Lesson 01: check the learner's ``kv_cache_bytes_for(config, seq_len, batch=1,
     bytes_per_value=2)`` against a real cache of the bundled model and against the course's
-    formula for GPT-2, Llama-2-7B and Llama-2-70B (grouped-query attention); print one line
-    and return the function the rest of the lesson should use."""
+    formula for GPT-2, Llama-2-7B, Llama-2-70B (grouped-query attention), and Qwen3's and
+    Gemma's sizes (``config.head_dim`` set apart from hidden size / heads); print one line and
+    return the function the rest of the lesson should use."""
     return run_check("kv_cache_bytes_for", learner_kv_cache_bytes_for,
                      _bytes_cases(model, tokenizer), fallback=kv_cache_bytes_for,
                      causes=BYTES_CAUSES)

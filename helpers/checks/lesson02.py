@@ -8,15 +8,21 @@ upside down, positions counted from 1 or from the first column.
 
 ``check_batched_greedy`` runs the learner's loop and the course's on the lesson's model with a
 hook that records what every call fed the model (tokens, attention mask, position ids, how much
-the cache held), so that a wrong text is traced to the step and the tensor that went wrong.
+the cache held), so that a wrong text is traced to the step and the tensor that went wrong; it
+also counts the lines it prints, one a step with ``verbose=True`` and none without. The
+positions' cases run on the lesson's device; every tensor is compared in dtype and device too.
 """
 
 from __future__ import annotations
 
+import io
+from contextlib import redirect_stdout
+
 import torch
 
 from ..batching import left_pad, position_ids_from_mask
-from .core import Hint, expect_equal, expect_shape, expect_tensor, run_check
+from .core import (Hint, expect_equal, expect_like, expect_shape, expect_tensor,
+                   expect_unchanged, run_check)
 from .lesson01 import recording
 
 __all__ = ["check_batched_greedy", "check_left_pad", "check_position_ids_from_mask"]
@@ -57,7 +63,9 @@ def _left_pad_cases(tokenizer):
         for label, token_lists, pad_id in scenarios:
             with cases(label):
                 want_ids, want_mask = left_pad(token_lists, pad_id)
-                got_ids, got_mask = _pair(learner([list(t) for t in token_lists], pad_id), "left_pad")
+                given = [list(t) for t in token_lists]
+                got_ids, got_mask = _pair(learner(given, pad_id), "left_pad")
+                expect_unchanged("token_lists", [list(t) for t in token_lists], given)
                 for name, got, want in (("input_ids", got_ids, want_ids),
                                         ("attention_mask", got_mask, want_mask)):
                     if not isinstance(got, torch.Tensor):
@@ -103,7 +111,7 @@ def check_left_pad(learner_left_pad, tokenizer):
 
 # ---- position_ids_from_mask -----------------------------------------------------------------
 
-def _position_cases(tokenizer):
+def _position_cases(tokenizer, device):
     def mask_of(prompts):
         return left_pad([tokenizer(p).input_ids for p in prompts], tokenizer.pad_token_id)[1]
 
@@ -118,12 +126,16 @@ def _position_cases(tokenizer):
     def checker(learner, cases):
         for label, mask in scenarios:
             with cases(label):
+                mask = mask.to(device)                 # where the lesson's batch is
                 expected = position_ids_from_mask(mask)
-                got = learner(mask.clone())
+                given = mask.clone()
+                got = learner(given)
+                expect_unchanged("attention_mask", mask, given)
                 expect_shape("the position ids", got, tuple(expected.shape),
                              ": one position per token, the mask's shape")
                 _expect_long("the position ids", got)
-                _diagnose_positions(got.cpu(), expected, mask)
+                expect_like("the position ids", got, expected)
+                _diagnose_positions(got.cpu(), expected.cpu(), mask.cpu())
                 expect_tensor("the position ids", got, expected)
     return checker
 
@@ -161,13 +173,14 @@ def _diagnose_positions(got, expected, mask) -> None:
                    f"(init_batch) use 1 and the lesson compares with them")
 
 
-def check_position_ids_from_mask(learner_position_ids_from_mask, tokenizer):
+def check_position_ids_from_mask(learner_position_ids_from_mask, tokenizer, device="cpu"):
     """Lesson 02: check the learner's ``position_ids_from_mask(attention_mask)`` against the
     course's on left-padded masks, a mask without padding, a single row and a row whose newest
-    column is padding; print one line and return the function the rest of the lesson should
-    use."""
+    column is padding, all on ``device`` (the lesson's: ``model.device``); print one line and
+    return the function the rest of the lesson should use."""
     return run_check("position_ids_from_mask", learner_position_ids_from_mask,
-                     _position_cases(tokenizer), fallback=position_ids_from_mask)
+                     _position_cases(tokenizer, torch.device(device)),
+                     fallback=position_ids_from_mask)
 
 
 # ---- batched_greedy -------------------------------------------------------------------------
@@ -258,23 +271,27 @@ def _diagnose_calls(calls: list[dict], reference: list[dict]) -> None:
 
 def _batched_cases(model, tokenizer):
     scenarios = [
-        ("the lesson's five prompts, 6 tokens each", PROMPTS, 6),
-        ("one token each: the prefill alone", PROMPTS[1:4], 1),
-        ("a single prompt: no padding", ["Jack and Jill"], 5),
+        ("the lesson's five prompts, 6 tokens each", PROMPTS, 6, False),
+        ("one token each: the prefill alone", PROMPTS[1:4], 1, False),
+        ("a single prompt: no padding", ["Jack and Jill"], 5, False),
         ("a long and a short prompt, 12 tokens",
-         ["Once upon a time a little fox lived by the river and", "What comes up must"], 12),
+         ["Once upon a time a little fox lived by the river and", "What comes up must"], 12, False),
+        ("verbose=True, as the lesson calls it next (a line a step; what it says is yours)",
+         PROMPTS[:2], 3, True),
     ]
 
     def checker(learner, cases):
         side = tokenizer.padding_side
-        for label, prompts, n in scenarios:
+        for label, prompts, n, verbose in scenarios:
             with cases(label):
                 with recording(model) as reference:
                     expected = batched_greedy(model, tokenizer, prompts, n)
+                printed = io.StringIO()
                 try:
-                    with recording(model) as calls:
+                    with recording(model) as calls, redirect_stdout(printed):
                         try:
-                            got = learner(model, tokenizer, list(prompts), n)
+                            got = (learner(model, tokenizer, list(prompts), n, verbose=True)
+                                   if verbose else learner(model, tokenizer, list(prompts), n))
                         except (NotImplementedError, Hint):
                             raise
                         except Exception:
@@ -283,6 +300,14 @@ def _batched_cases(model, tokenizer):
                 finally:
                     tokenizer.padding_side = side
                 _diagnose_calls(calls, reference)
+                lines = [line for line in printed.getvalue().splitlines() if line.strip()]
+                if verbose and len(lines) < n:
+                    raise Hint(f"with verbose=True it printed {len(lines)} line(s) for {n} "
+                               f"steps: print a line at every step, saying what it fed the "
+                               f"model (the lesson's next cell shows them)")
+                if not verbose and lines:
+                    raise Hint(f"it printed {len(lines)} line(s) with verbose=False: print only "
+                               f"when verbose is True (the lesson's later cells call it quietly)")
                 if not isinstance(got, (list, tuple)) or not all(isinstance(t, str) for t in got):
                     raise Hint(f"batched_greedy should return a list of strings, one new text per "
                                f"prompt, got {type(got).__name__}")
@@ -300,6 +325,9 @@ def _batched_cases(model, tokenizer):
 
 
 BATCHED_CAUSES = {
+    "unexpected keyword argument 'verbose'": "keep the signature, batched_greedy(model, "
+                                             "tokenizer, prompts, n_tokens, verbose=False): the "
+                                             "lesson calls it with verbose=True",
     "must match the size of tensor": "the attention mask must cover the cache and the new tokens: "
                                      "add a column of ones at every step",
     "index out of range": "a position past the model's longest context: feed one token per row "

@@ -3,12 +3,14 @@
 Each case builds real batches with the course's ``init_batch`` and ``generate_next_token`` on
 the lesson's model (and on a tiny Llama-style model whose 4 attention heads share 2 kv heads),
 runs the learner's function and the course's on copies of the same batches, and compares every
-list, every tensor and every layer of the KV cache.
+list, every tensor (values, dtype and device) and every layer of the KV cache. ``merge_batches``
+also meets an empty batch on either side and two empty ones, as the lesson's loop does.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 
@@ -101,6 +103,19 @@ def _expect_batch(got, expected: Batch, what: str) -> None:
 
 # ---- merge_batches ------------------------------------------------------------------------
 
+def _heads_hint(error: Exception, mdl) -> None:
+    """A Hint when a concatenation failed because zeros were made with the number of attention
+    heads where the cache has fewer kv heads (grouped-query attention)."""
+    found = re.search(r"Expected size (\d+) but got size (\d+)", str(error))
+    heads = mdl.config.num_attention_heads
+    kv_heads = getattr(mdl.config, "num_key_value_heads", None) or heads
+    if found and kv_heads != heads and {int(found[1]), int(found[2])} == {heads, kv_heads}:
+        raise Hint(f"this model's cache has {kv_heads} kv heads, fewer than its {heads} "
+                   f"attention heads (grouped-query attention), and the padding was made with "
+                   f"{heads}: make it from the keys themselves, F.pad(keys, (0, 0, missing, 0)) "
+                   f"or keys.new_zeros with keys.shape[1], not config.num_attention_heads") from None
+
+
 def _merge_cases(model, tokenizer):
     def checker(learner, cases):
         gqa = _tiny_gqa(tokenizer)
@@ -114,7 +129,12 @@ def _merge_cases(model, tokenizer):
                 b1 = _prefilled(mdl, tokenizer, first)
                 b2 = _prefilled(mdl, tokenizer, second, first_id=len(first))
                 expected = merge_batches(_copy(b1), _copy(b2))
-                _expect_batch(learner(_copy(b1), _copy(b2)), expected, "merge_batches")
+                try:
+                    got = learner(_copy(b1), _copy(b2))
+                except RuntimeError as error:
+                    _heads_hint(error, mdl)
+                    raise
+                _expect_batch(got, expected, "merge_batches")
         with cases("an empty running batch"):
             b2 = _prefilled(model, tokenizer, NEWCOMER)
             got = learner(Batch.empty(), _copy(b2))
@@ -122,6 +142,19 @@ def _merge_cases(model, tokenizer):
                 raise Hint(f"merging into an empty batch should give the newcomers' "
                            f"{len(b2)} row(s), got {len(got)}")
             _expect_batch(got, b2, "merge_batches")
+        with cases("no newcomers: an empty second batch"):
+            b1 = _prefilled(model, tokenizer, RUNNING)
+            got = learner(_copy(b1), Batch.empty())
+            if isinstance(got, Batch) and len(got) != len(b1):
+                raise Hint(f"merging an empty batch in should leave the running "
+                           f"{len(b1)} row(s), got {len(got)}: when either batch is empty, "
+                           f"return the other one")
+            _expect_batch(got, b1, "merge_batches")
+        with cases("two empty batches"):
+            got = learner(Batch.empty(), Batch.empty())
+            if not isinstance(got, Batch) or len(got) != 0:
+                raise Hint("merging two empty batches should give an empty batch (return "
+                           "either one)")
     return checker
 
 
@@ -135,8 +168,8 @@ MERGE_CAUSES = {
 
 def check_merge_batches(learner_merge_batches, model, tokenizer):
     """Lesson 03: check the learner's ``merge_batches(batch1, batch2)`` against the course's on
-    rows of different history lengths, an empty running batch and a GQA model; print one line
-    and return the function the rest of the lesson should use."""
+    rows of different history lengths, a GQA model, an empty batch on either side and two
+    empty ones; print one line and return the function the rest of the lesson should use."""
     return run_check("merge_batches", learner_merge_batches, _merge_cases(model, tokenizer),
                      fallback=merge_batches, causes=MERGE_CAUSES)
 

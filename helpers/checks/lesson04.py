@@ -8,7 +8,9 @@ The reference is ``helpers.quantization.quantize`` (the convention of
 ``x' = (q - zero_point) * scale``. The cases are the lesson's own weights (a weight matrix of
 the model, a LayerNorm gain whose values are all positive) and small edge cases: a tensor of
 zeros, a range whose ends fall halfway between two codes (rounding reaches 256 there, so only
-the clamp keeps the top code at 255), a vector that holds 0.0 exactly, a 3-D tensor.
+the clamp keeps the top code at 255), a vector that holds 0.0 exactly, a 3-D tensor, values
+below 0 only. The cases run on the model's device; the per-tensor scale must be a float or a
+0-d tensor and the zero point an int, as the lesson formats them and hands them to torch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import math
 import torch
 
 from ..quantization import quantize
-from .core import Hint, expect_shape, expect_tensor, run_check
+from .core import (Hint, device_hint, dtype_hint, expect_like, expect_shape, expect_tensor,
+                   expect_unchanged, run_check)
 
 __all__ = ["check_quantize_tensor", "check_dequantize_tensor", "check_quantize_channels",
            "quantize_tensor", "dequantize_tensor", "quantize_channels"]
@@ -66,7 +69,7 @@ def _weights(model) -> tuple[torch.Tensor, torch.Tensor]:
     lesson_w = [p for n, p in named if n.endswith("h.0.mlp.c_fc.weight")]
     matrix = (lesson_w or [m for m in matrices if m.shape[0] != m.shape[1]] or matrices)[0]
     gain = gains[0] if gains else matrix[0].abs() + 0.5
-    return matrix.float().cpu(), gain.float().cpu()
+    return matrix.float(), gain.float()             # on the model's device, as in the lesson
 
 
 def _tie_matrix() -> torch.Tensor:
@@ -94,11 +97,14 @@ def _scalar(value, what: str) -> float:
     return float(value)
 
 
-def _is_integer(value) -> bool:
-    """An int, or a one-element tensor of an integer dtype."""
-    if isinstance(value, torch.Tensor):
-        return not (value.is_floating_point() or value.is_complex())
-    return isinstance(value, int) and not isinstance(value, bool)
+def _expect_scale_type(scale) -> None:
+    """The lesson formats the per-tensor scale (f"{scale:.6f}") and passes float(scale) on: a
+    Python float or a 0-d tensor does both; a tensor of shape (1,) cannot be formatted."""
+    if isinstance(scale, torch.Tensor) and scale.dim() > 0:
+        raise Hint(f"the scale is a tensor of shape {tuple(scale.shape)}; per tensor it is one "
+                   f"number: a float or a 0-d tensor (t.min() and t.max() without dim= give "
+                   f"0-d tensors; scale[0] or .item() makes one), which the lesson prints "
+                   f"with a format")
 
 
 def _triple(got, name: str):
@@ -156,6 +162,7 @@ def _scale_hint(got: torch.Tensor, expected: torch.Tensor, t: torch.Tensor, dims
 
 
 def _expect_scale(got, expected: torch.Tensor, t: torch.Tensor, dims=None) -> None:
+    expected, t = expected.cpu(), t.cpu()             # the hints read them on the CPU
     if dims is None:
         value = torch.tensor([_scalar(got, "the scale")], dtype=torch.float64)
         _scale_hint(value, expected.reshape(1), t.double(), None)
@@ -190,7 +197,10 @@ def _expect_codes(got, expected: torch.Tensor, t: torch.Tensor, scale: torch.Ten
     """Compare the learner's codes with ours; ties (a value halfway between two codes, where
     the last bit of x / scale decides) may go either way."""
     expect_shape("q (uint8 codes)", got, tuple(expected.shape), " (one code per value of t)")
-    got = got.detach().cpu()
+    if got.device != t.device:
+        raise Hint(device_hint("q", got.device, t.device))
+    got, expected, t = got.detach().cpu(), expected.cpu(), t.cpu()
+    scale, zero_point, lo = (torch.as_tensor(v).cpu() for v in (scale, zero_point, lo))
     if got.dtype != torch.uint8:
         if got.is_floating_point() and bool((got != got.round()).any()):
             raise Hint(f"q holds {got.dtype} values that are not whole numbers: round x / scale "
@@ -199,7 +209,7 @@ def _expect_codes(got, expected: torch.Tensor, t: torch.Tensor, scale: torch.Ten
         raise Hint(f"q should be uint8 codes, got dtype {got.dtype}: end with .to(torch.uint8) "
                    f"(after the clamp)")
     steps = t / scale
-    tie = ((steps - steps.floor()) - 0.5).abs() < 1e-3
+    tie = ((steps - steps.floor()) - 0.5).abs() < 1e-4     # halfway, to float32's rounding
     diff = (got.int() - expected.int()).abs()
     bad = (diff > 1) | ((diff == 1) & ~tie)
     if not bad.any():
@@ -231,6 +241,7 @@ def _quantize_cases(model):
         (f"a LayerNorm gain {tuple(gain.shape)}, every value above 0", gain),
         ("a range whose ends fall halfway between two codes", _tie_matrix()),
         ("a tensor of zeros", torch.zeros(4, 3)),
+        ("a tensor of values below 0 only", -_tie_matrix().abs() - 0.01),
     ]
 
 
@@ -242,18 +253,24 @@ def _quantize_tensor_checker(model):
     def checker(learner, cases):
         for label, t in cases_list:
             with cases(label):
+                t = t.to(model.device)
                 q_ref, state = quantize(t)
                 scale, zp = state.scale[0], float(state.zero_point[0])
-                q, got_scale, got_zp = _triple(learner(t.clone()), "quantize_tensor")
+                given = t.clone()
+                q, got_scale, got_zp = _triple(learner(given), "quantize_tensor")
+                expect_unchanged("t", t, given)
                 lo = t.min().clamp(max=0)
+                _expect_scale_type(got_scale)
                 _expect_scale(got_scale, scale, t)
                 value = _scalar(got_zp, "the zero point")
                 _zero_point_hint(value, zp, lo.item(), scale.item())
-                if not _is_integer(got_zp):
-                    raise Hint(f"the zero point is {value:g} stored as a "
-                               f"{type(got_zp).__name__ if not isinstance(got_zp, torch.Tensor) else str(got_zp.dtype).replace('torch.', '')}"
-                               f": it is a code, so return it as an int (int(...) of the rounded "
-                               f"value), as the stub says")
+                if isinstance(got_zp, bool) or not isinstance(got_zp, int):
+                    kind = (f"tensor ({str(got_zp.dtype).replace('torch.', '')})"
+                            if isinstance(got_zp, torch.Tensor) else type(got_zp).__name__)
+                    raise Hint(f"the zero point is {value:g} held in a {kind}: it is a code, "
+                               f"so return it as an int (int(...) of the rounded value), as the "
+                               f"stub says; the lesson prints it and hands it to "
+                               f"torch.quantize_per_tensor")
                 _expect_codes(q, q_ref, t, scale, torch.tensor(zp), lo)
     return checker
 
@@ -279,12 +296,14 @@ def check_quantize_tensor(learner_quantize_tensor, model):
 
 def _dequantize_checker(model):
     W, _ = _weights(model)
-    vector = _small([-1.0, -0.5, 0.0, 0.25, 2.0])
+    vector = _small([-1.0, -0.5, 0.0, 0.25, 2.0]).to(W.device)
+    q_vec, scale_vec, zp_vec = quantize_tensor(vector)
 
     cases_list = [
         (f"the codes of a weight matrix {tuple(W.shape)}, scale and zero point of the whole tensor",
          quantize_tensor(W)),
-        ("a vector that holds 0.0 exactly", quantize_tensor(vector)),
+        ("a vector that holds 0.0 exactly", (q_vec, scale_vec, zp_vec)),
+        ("the scale as a Python float, the zero point as an int", (q_vec, float(scale_vec), zp_vec)),
         (f"per-channel codes (axis=-1): scale and zero point of shape (1, {W.shape[1]})",
          quantize_channels(W, axis=-1)),
     ]
@@ -293,15 +312,20 @@ def _dequantize_checker(model):
         for label, (q, scale, zp) in cases_list:
             with cases(label):
                 expected = dequantize_tensor(q, scale, zp)
-                got = learner(q.clone(), scale, zp)
+                given = q.clone()
+                got = learner(given, scale, zp)
+                expect_unchanged("q", q, given)
                 expect_shape("the result", got, tuple(expected.shape), " (the shape of q)")
                 if not got.is_floating_point():
                     raise Hint(f"the result is {got.dtype}: dequantized values are floats, "
                                f"(q - zero_point) * scale with q.float()")
+                expect_like("the dequantized tensor", got, expected)
                 got = got.detach().cpu().float()
-                s = torch.as_tensor(scale).float()
-                z = torch.as_tensor(zp).float()
-                qf = q.float()
+                expected = expected.cpu()
+                s = torch.as_tensor(scale).float().cpu()
+                z = torch.as_tensor(zp).float().cpu()
+                qc = q.cpu()
+                qf = qc.float()
 
                 def like(candidate):
                     return bool(torch.allclose(got, candidate.expand_as(got), rtol=1e-5, atol=1e-7))
@@ -324,7 +348,7 @@ def _dequantize_checker(model):
                     if like(qf * s - z):
                         raise Hint("the zero point is a code, not a float offset: subtract it "
                                    "from q before multiplying by the scale, (q - zero_point) * scale")
-                zero = (q == torch.as_tensor(zp).expand_as(q))
+                zero = (qc == torch.as_tensor(zp).cpu().expand_as(qc))
                 if bool(zero.any()) and bool((got[zero] != 0).any()):
                     raise Hint(f"the code zero_point stands for 0.0 but came back as "
                                f"{got[zero][got[zero] != 0][0].item():.3g}: compute "
@@ -357,11 +381,16 @@ def _channel_cases(model):
     mixed = torch.randn(4, 6, generator=g) * 0.1
     mixed[1] = 0.0                                 # a channel of zeros (a pruned row)
     mixed[2] = mixed[2].abs() + 0.05               # a channel of positive values only
+    mixed[3] = -mixed[3].abs() - 0.05              # a channel of negative values only
     stack = torch.randn(3, 4, 5, generator=g)
+    ties = _tie_matrix()
+    ties[1, 0], ties[1, 4] = -119.5 / 256, 135.5 / 256     # row 1's top code rounds to 256
+    mixed, stack, ties = mixed.to(W.device), stack.to(W.device), ties.to(W.device)
     return [
         (f"a weight matrix {tuple(W.shape)}, one range per column (axis=-1)", W, -1),
         (f"the same matrix, one range per row (axis=0)", W, 0),
-        ("a matrix with a row of zeros and a row above 0 (axis=0)", mixed, 0),
+        ("a matrix with a row of zeros, one above 0 and one below 0 (axis=0)", mixed, 0),
+        ("a row whose range ends fall halfway between two codes (axis=0)", ties, 0),
         ("a 3-D tensor (3, 4, 5), one range per index of axis 1", stack, 1),
         ("a 3-D tensor (3, 4, 5), axis=-1", stack, -1),
     ]
@@ -376,7 +405,9 @@ def _quantize_channels_checker(model):
                 q_ref, scale, zp = quantize_channels(t, axis)
                 a = axis % t.dim()
                 dims = [d for d in range(t.dim()) if d != a]
-                q, got_scale, got_zp = _triple(learner(t.clone(), axis), "quantize_channels")
+                given = t.clone()
+                q, got_scale, got_zp = _triple(learner(given, axis), "quantize_channels")
+                expect_unchanged("t", t, given)
                 if isinstance(got_scale, torch.Tensor) and got_scale.shape != scale.shape:
                     shape, want = tuple(got_scale.shape), tuple(scale.shape)
                     along = [1 if d == a else n for d, n in enumerate(t.shape)]
@@ -393,13 +424,19 @@ def _quantize_channels_checker(model):
                     raise Hint(f"the scale has shape {shape}, expected {want}")
                 lo, _ = _range(t, dims)
                 _expect_scale(got_scale, scale, t, dims)
+                expect_like("the scale", got_scale, scale)
                 expect_shape("the zero point", got_zp, tuple(zp.shape), ", the shape of the scale")
-                got_z, want_z = got_zp.detach().cpu().double(), zp.double()
+                if got_zp.device != zp.device:
+                    raise Hint(device_hint("the zero point", got_zp.device, zp.device))
+                got_z, want_z = got_zp.detach().cpu().double(), zp.cpu().double()
                 if not torch.equal(got_z, want_z):
                     i = int((got_z != want_z).flatten().nonzero()[0])
                     _zero_point_hint(got_z.flatten()[i].item(), want_z.flatten()[i].item(),
                                      lo.flatten()[i].item(), scale.flatten()[i].item(),
                                      where=f" of channel {i}")
+                if got_zp.is_floating_point() or got_zp.dtype == torch.bool:
+                    raise Hint(f"the zero points hold {got_zp.dtype}: they are codes, a tensor "
+                               f"of integers, .to(torch.int32)")
                 _expect_codes(q, q_ref, t, scale, zp.float(), lo)
     return checker
 

@@ -6,7 +6,9 @@ weight: ``W + A @ B * scale`` for GPT-2's ``Conv1D``, which stores ``W`` as (in 
 ``W + (A @ B * scale)ᵀ`` for ``nn.Linear``, which stores it as (out × in). The cases wrap a
 square ``nn.Linear`` (where a transposed product still has the right shape, so only the values
 tell), a non-square one, and GPT-2's ``Conv1D``, with scale 1 and scale 2, inputs of two and
-three dimensions, and a fresh adapter (B = 0).
+three dimensions, and a fresh adapter (B = 0). The floating-point operations of forward's
+products are counted (``counting.flops``): ``x @ (A @ B)`` gives the same numbers at the cost
+of an in × out matrix, and is flagged.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from torch import nn
 
 from ..lora import LoraLayer
-from .core import Hint, expect_shape, expect_tensor, run_check
+from .core import Hint, expect_like, expect_shape, expect_tensor, expect_unchanged, run_check
+from .counting import flops
 
 __all__ = ["check_lora_layer", "check_merge_lora", "merge_lora"]
 
@@ -72,6 +75,7 @@ def _lora_cases():
 def _expect_output(got, expected, x, ours: LoraLayer) -> None:
     expect_shape("the output of forward", got, tuple(expected.shape),
                  " (the base layer's output shape)")
+    expect_like("the output of forward", got, expected)
     got = got.detach()
     if _close(got, expected):
         return
@@ -124,9 +128,14 @@ def _lora_checker(learner_class, cases):
             for shape in ((2, 3, d_in), (5, d_in)):
                 x = torch.randn(*shape, generator=inputs)
                 with torch.no_grad():
-                    expected = ours(x)
-                got = theirs(x)
+                    expected, cost = flops(ours, x)
+                given = x.clone()
+                got = theirs(given)
+                expect_unchanged("x", x, given)
                 _expect_output(got, expected, x, ours)
+                with torch.no_grad():
+                    _, their_cost = flops(theirs, x)
+                _expect_cost(their_cost, cost, x, ours)
             if kwargs.get("zero_b") is False and isinstance(got, torch.Tensor):
                 if got.requires_grad:
                     got.sum().backward()
@@ -134,6 +143,24 @@ def _lora_checker(learner_class, cases):
                     raise Hint("A and B get no gradient, so training would not move them: use "
                                "self.A and self.B as they are in forward (no .detach(), .data "
                                "or torch.no_grad())")
+
+
+def _expect_cost(got: int, expected: int, x, ours: LoraLayer) -> None:
+    """The text's claim about cost: (x·A)·B shrinks every token to r numbers first. Counted,
+    not timed: the multiply-adds of the matrix products, as FlopCounterMode counts them."""
+    if got <= expected:
+        return
+    d_in, rank = ours.A.shape
+    d_out = ours.B.shape[1]
+    tokens = x.numel() // d_in
+    a_times_b = 2 * d_in * rank * d_out + 2 * tokens * d_in * d_out - 2 * tokens * rank * (d_in + d_out)
+    if got == expected + a_times_b:
+        raise Hint(f"right numbers, but A·B was formed first: a {d_in} x {d_out} matrix "
+                   f"({got:,} floating-point operations here instead of {expected:,}); "
+                   f"multiply x by A first, (x @ self.A) @ self.B, so that every token shrinks "
+                   f"to r = {rank} numbers before it grows back")
+    raise Hint(f"right numbers, but {got:,} floating-point operations in the matrix products "
+               f"where base(x) + (x @ A) @ B needs {expected:,}: compute only those products")
 
 
 LORA_CAUSES = {
@@ -148,16 +175,18 @@ LORA_CAUSES = {
 def check_lora_layer(learner_class):
     """Lesson 05: check the learner's ``LoraLayer`` class (its forward, ``base(x) + (x @ A @ B)
     * scale``) against ``helpers.lora.LoraLayer`` on square and non-square ``nn.Linear`` layers
-    and GPT-2's ``Conv1D``, scales 1 and 2, inputs of 2 and 3 dimensions, and a fresh adapter;
-    print one line and return the class the rest of the lesson should use."""
+    and GPT-2's ``Conv1D``, scales 1 and 2, inputs of 2 and 3 dimensions, and a fresh adapter,
+    and that it multiplies x by A first (the floating-point operations of its products are
+    counted); print one line and return the class the rest of the lesson should use."""
     return run_check("LoraLayer", learner_class, _lora_checker, fallback=LoraLayer, kind="class",
                      causes=LORA_CAUSES)
 
 
 # ---- merge_lora -----------------------------------------------------------------------------
 
-def _merge_checker(learner, cases):
+def _merge_checker(learner, cases, device):
     for label, layer, _ in _layers():
+        layer = layer.to(device)
         for kwargs in SETTINGS:
             scale = kwargs.get("alpha", kwargs["rank"]) / kwargs["rank"]
             if kwargs["rank"] == 4 and "square" in label:
@@ -168,7 +197,10 @@ def _merge_checker(learner, cases):
                 before = layer.weight.detach().clone()
                 with torch.no_grad():
                     expected = merge_lora(layer, A, B, adapter.scale)
-                got = learner(layer, A, B, adapter.scale)
+                given_a, given_b = A.clone(), B.clone()
+                got = learner(layer, given_a, given_b, adapter.scale)
+                expect_unchanged("A", A, given_a)
+                expect_unchanged("B", B, given_b)
                 if not torch.equal(layer.weight.detach(), before):
                     with torch.no_grad():
                         layer.weight.copy_(before)   # put it back for the next cases
@@ -178,6 +210,8 @@ def _merge_checker(learner, cases):
                     raise Hint(f"merge_lora should return the merged weight, a tensor of shape "
                                f"{tuple(expected.shape)}, got {type(got).__name__}")
                 got = got.detach()
+                if got.shape == expected.shape:
+                    expect_like("the merged weight", got, expected)
                 if _close(got, expected):
                     continue
                 W, delta = before, A @ B
@@ -218,9 +252,12 @@ MERGE_CAUSES = {
 }
 
 
-def check_merge_lora(learner_merge_lora):
+def check_merge_lora(learner_merge_lora, device="cpu"):
     """Lesson 05: check the learner's ``merge_lora(base, A, B, scale)`` against the course's on a
     square and a non-square ``nn.Linear`` and on GPT-2's ``Conv1D`` (square and not), scales 1
-    and 2; print one line and return the function the rest of the lesson should use."""
-    return run_check("merge_lora", learner_merge_lora, _merge_checker, fallback=merge_lora,
-                     causes=MERGE_CAUSES)
+    and 2, with layers on ``device`` (the lesson's: ``model.device``); print one line and
+    return the function the rest of the lesson should use."""
+    device = torch.device(device)
+    return run_check("merge_lora", learner_merge_lora,
+                     lambda learner, cases: _merge_checker(learner, cases, device),
+                     fallback=merge_lora, causes=MERGE_CAUSES)

@@ -8,35 +8,24 @@ different number of ``out`` features, so that A and B swapped or transposed cann
 through; a case with the lesson's own sizes (1024 → 1024, rank 2, 64 adapters) comes last.
 When a row is wrong, the hint says what that row got instead: another adapter's result (its
 row number used as the index, or an off-by-one), another row's, zeros, or the sum of all rows.
+
+The text's claims about cost are counted, not timed: the floating-point operations of the
+matrix products (x·A first, then ·B; forming A·B first costs in × out per row), and, for the
+gathered version, the torch operations it calls at two batch sizes (a loop over the rows or
+over the adapters calls more of them for more rows).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..lora import linear_lora_gathered, linear_lora_loop, random_adapters
-from .core import Hint, run_check, shape_of
+from .core import Hint, device_hint, dtype_hint, expect_unchanged, run_check, shape_of
+from .counting import CountCalls, flops
 
 __all__ = ["check_linear_lora_loop", "check_linear_lora_gathered"]
 
 IN, OUT, RANK, N_ADAPTERS = 16, 12, 3, 6
-#: Matrix products, whatever they are called: counted to tell one batched product from a loop.
-PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "mv", "einsum", "baddbmm",
-            "addmm", "addbmm", "linear", "tensordot", "bilinear"}
-
-
-class _CountProducts(TorchFunctionMode):
-    """Counts the matrix products run inside ``with _CountProducts() as count: ...``."""
-
-    def __init__(self):
-        super().__init__()
-        self.products = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in PRODUCTS:
-            self.products += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _stacks(n, in_features, out_features, rank, seed):
@@ -108,21 +97,26 @@ def _diagnose(got, x, loras_a, loras_b, indices, expected, i) -> str | None:
     return None
 
 
-def _expect_output(got, x, loras_a, loras_b, indices, expected, device) -> None:
+def _expect_output(got, x, loras_a, loras_b, indices, expected, device, learner=None) -> None:
     """Compare the learner's output with the course's; the hint names the first wrong row."""
     batch, seq = x.shape[0], x.shape[1]
     if not isinstance(got, torch.Tensor):
         raise Hint(f"should return a tensor of shape {shape_of(expected)} "
                    f"(batch, seq, out), got {type(got).__name__}")
     if got.device.type != torch.device(device).type:
-        raise Hint(f"the result is on {got.device.type}, the inputs on {torch.device(device).type}: "
-                   f"make every tensor you create on x.device")
+        raise Hint(device_hint("the result", got.device, torch.device(device)))
+    if got.shape == expected.shape and got.dtype != expected.dtype:
+        raise Hint(dtype_hint("the result", got.dtype, expected.dtype))
     got = got.detach().cpu().float()
     if got.shape != expected.shape:
         shape, want = tuple(got.shape), tuple(expected.shape)
         if got.dim() == 4 and got.shape[:2] == (batch, batch):
             why = ("each row was multiplied as the whole batch: row i's product uses x[i] only, "
                    "not x")
+        elif seq == 1 and got.shape == (batch, expected.shape[2]) and _squeezes(learner, x, loras_a,
+                                                                               loras_b, indices):
+            why = ("the seq dimension of size 1 is gone (squeeze() drops every dimension of size "
+                   "1): keep it, torch.stack of the rows' (seq, out) results as they are")
         elif got.dim() == 2 and got.shape[0] == batch * seq:
             why = "torch.cat joined the rows end to end: torch.stack makes them a new first dimension"
         elif got.shape == expected.shape[1:] or (got.dim() == 3 and got.shape[0] == 1 < batch):
@@ -149,6 +143,20 @@ def _expect_output(got, x, loras_a, loras_b, indices, expected, device) -> None:
                f"{got[place].item():.4g}, expected {expected[place].item():.4g}")
 
 
+def _squeezes(learner, x, loras_a, loras_b, indices) -> bool:
+    """True when the learner's function keeps the seq dimension for two positions per row but
+    not for one: it squeezes the result (torch.cat would lose it for two positions as well)."""
+    if learner is None:
+        return False
+    x2 = torch.cat([x, x], dim=1)
+    try:
+        with torch.no_grad():
+            out = learner(x2, loras_a, loras_b, indices)
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (x.shape[0], 2, loras_b.shape[2])
+
+
 def _run(learner, case, device, reference) -> int:
     """Run the learner's function on ``case`` (moved to ``device``), compare with the course's
     (on the CPU), check that the inputs came back unchanged, and return how many matrix
@@ -156,15 +164,33 @@ def _run(learner, case, device, reference) -> int:
     x, loras_a, loras_b, indices = case
     on = [t.to(device) for t in case]
     before = [t.clone() for t in on]
-    with torch.no_grad(), _CountProducts() as count:
-        got = learner(*on)
+    with torch.no_grad():
+        got, cost = flops(learner, *on)
     for name, t, b in zip(("x", "loras_a", "loras_b", "lora_indices"), on, before):
-        if not torch.equal(t, b):
-            raise Hint(f"your function changed its input {name} in place: compute into new "
-                       f"tensors")
-    expected = reference(x, loras_a, loras_b, indices)
-    _expect_output(got, x, loras_a, loras_b, indices, expected, device)
-    return count.products
+        expect_unchanged(name, b, t)
+    with torch.no_grad():
+        expected, expected_cost = flops(reference, *on)
+    _expect_output(got, x, loras_a, loras_b, indices, expected.cpu(), device,
+                   lambda *args: learner(*(t.to(device) for t in args)))
+    if expected.device != got.device:
+        raise Hint(device_hint("the result", got.device, expected.device))
+    _expect_cost(cost, expected_cost, x, loras_a, loras_b)
+
+
+def _expect_cost(got: int, expected: int, x, loras_a, loras_b) -> None:
+    """(x·A)·B: each token shrinks to r numbers, then grows back. Forming A·B first builds an
+    in × out matrix for every row (or adapter): counted as floating-point operations."""
+    if got <= expected:
+        return
+    batch, seq, d_in = x.shape
+    rank, d_out = loras_a.shape[2], loras_b.shape[2]
+    if got >= 2 * d_in * rank * d_out + 2 * seq * d_in * d_out:
+        raise Hint(f"right numbers, but A·B was formed first: an in x out = {d_in} x {d_out} "
+                   f"matrix per row ({got:,} floating-point operations here where "
+                   f"(x @ A) @ B needs {expected:,}); multiply x by A first, then by B, so that "
+                   f"every token shrinks to r = {rank} numbers before it grows back")
+    raise Hint(f"right numbers, but {got:,} floating-point operations in the matrix products "
+               f"where (x @ A) @ B needs {expected:,}: compute only those products")
 
 
 CASES = [
@@ -196,14 +222,23 @@ CAUSES = {
 }
 
 
-def _cases(reference, count_products: bool, device):
+def _calls(learner, rows: int, device) -> tuple[int, int]:
+    """(torch operations, matrix products) the learner's function calls for ``rows`` rows, each
+    with an adapter of its own, one position each."""
+    case = [t.to(device) for t in _case(indices=list(range(rows)), seed=7, n=rows)]
+    with torch.no_grad(), CountCalls() as count:
+        learner(*case)
+    return count.calls, count.products
+
+
+def _cases(reference, count_calls: bool, device):
     def checker(learner, cases):
         for label, spec in CASES:
             with cases(label):
                 case = _case(**spec)
                 sharing = len(set(spec["indices"])) < len(spec["indices"])
                 try:
-                    products = _run(learner, case, device, reference)
+                    _run(learner, case, device, reference)
                 except (Hint, NotImplementedError):
                     raise
                 except Exception as error:
@@ -214,12 +249,17 @@ def _cases(reference, count_products: bool, device):
                                    f"B; gather with lora_indices itself, not its distinct "
                                    f"values") from None
                     raise
-                rows = len(spec["indices"])
-                if count_products and rows >= 8 and products >= rows:
-                    raise Hint(f"right numbers, but {products} matrix products for {rows} "
-                               f"rows: that is a loop over rows (or adapters). Gather every row's "
-                               f"A and B with index_select, then two batched products "
-                               f"(torch.bmm) do all rows at once")
+        if count_calls:
+            with cases("4 rows and 8 rows, each its own adapter: the same torch operations"):
+                (few, few_products), (many, many_products) = (_calls(learner, 4, device),
+                                                              _calls(learner, 8, device))
+                if many > few:
+                    what = (f"{few_products} and {many_products} matrix products"
+                            if many_products > few_products else f"{few} and {many} torch operations")
+                    raise Hint(f"right numbers, but {what} for 4 and 8 rows: that is a loop over "
+                               f"rows (or adapters). Gather every row's A and B with "
+                               f"index_select, then two batched products (torch.bmm) do all rows "
+                               f"at once, with the same operations for any batch")
     return checker
 
 
@@ -229,15 +269,16 @@ def check_linear_lora_loop(learner_linear_lora_loop, device="cpu"):
     prompts of several positions, one row, and the lesson's sizes; print one line and return the
     function the rest of the lesson should use."""
     return run_check("linear_lora_loop", learner_linear_lora_loop,
-                     _cases(linear_lora_loop, count_products=False, device=device),
+                     _cases(linear_lora_loop, count_calls=False, device=torch.device(device)),
                      fallback=linear_lora_loop, causes=CAUSES)
 
 
 def check_linear_lora_gathered(learner_linear_lora_gathered, device="cpu"):
     """Lesson 06: check the learner's ``linear_lora_gathered(x, loras_a, loras_b,
     lora_indices)`` (every row's A and B gathered, then batched products) against the course's
-    on the same cases as the loop, and that it does not loop over the rows; print one line and
-    return the function the rest of the lesson should use."""
+    on the same cases as the loop, and that it calls the same torch operations for 4 rows as
+    for 8 (no loop over the rows or the adapters); print one line and return the function the
+    rest of the lesson should use."""
     return run_check("linear_lora_gathered", learner_linear_lora_gathered,
-                     _cases(linear_lora_gathered, count_products=True, device=device),
+                     _cases(linear_lora_gathered, count_calls=True, device=torch.device(device)),
                      fallback=linear_lora_gathered, causes=CAUSES)

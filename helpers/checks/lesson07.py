@@ -6,8 +6,10 @@ and a real server's timings change from run to run. So ``time_stream`` gets a sc
 of lorax-client-like events and a fake clock that moves only when the stream says so (the
 request being sent, the prefill, each decode step): the expected TTFT and gaps are known
 exactly. ``generate_all`` gets a fake ``AsyncClient`` whose answers come back in the reverse of
-the order they were sent, and which notes how many requests were in flight at once. The lesson
-then uses both against the running server.
+the order they were sent, and which notes how many requests were in flight at once: all of them
+must be. Reading an event's token moves the fake clock a microsecond, so a stamp taken after
+the loop's work shows. The times must be numbers, the text a string: the lesson then uses both
+functions against the running server.
 
 ``time_stream_reference`` and ``generate_all_reference`` are the course's versions: what the
 checks compare with, and what the lesson goes on with when an answer is missing or wrong.
@@ -23,7 +25,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
-from .core import Hint, run_check
+from .core import Hint, expect_number, run_check
 
 __all__ = ["check_time_stream", "check_generate_all", "time_stream_reference",
            "generate_all_reference"]
@@ -75,9 +77,26 @@ class FakeClock:
         self.now += seconds
 
 
-def _event(token_id, text, special=False, final=None):
-    token = SimpleNamespace(id=token_id, text=text, logprob=-0.5, special=special)
-    return SimpleNamespace(token=token, generated_text=final, details=None)
+#: What reading an event's token costs on the fake clock: the work of a loop's body, small but
+#: not nothing, so that a stamp taken after it shows (the text: "read clock() first thing").
+READ_COST = 1e-6
+#: How near a time must be to a wrong one for the hint to name that mistake (a few reads).
+NEAR = 20 * READ_COST
+
+
+class _Event:
+    """A lorax-client-like stream event; reading ``event.token`` moves the fake clock by
+    READ_COST, as the work a loop does with it takes time."""
+
+    def __init__(self, clock, token_id, text, special=False, final=None):
+        self._clock = clock
+        self._token = SimpleNamespace(id=token_id, text=text, logprob=-0.5, special=special)
+        self.generated_text, self.details = final, None
+
+    @property
+    def token(self):
+        self._clock.advance(READ_COST)
+        return self._token
 
 
 class ScriptedStream:
@@ -92,6 +111,7 @@ class ScriptedStream:
         self.delays = [prefill] + list(steps)
         self.sent = 0
         self.read = 0
+        self.arrivals: list[float] = []      # the clock when each event was handed over
 
     def __call__(self):
         self.sent += 1
@@ -104,7 +124,8 @@ class ScriptedStream:
             self.clock.advance(delay)
             self.read = i + 1
             last = i == len(self.tokens) - 1
-            yield _event(300 + i, text, special, final if last else None)
+            self.arrivals.append(self.clock())
+            yield _Event(self.clock, 300 + i, text, special, final if last else None)
 
 
 STORY = [(" on", False), (" a", False), (" wall", False), (".", False),
@@ -132,28 +153,24 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
                    f"{type(result).__name__}{size}")
     ttft, gaps, text = result
     n = len(stream.tokens)
-    stamps, t = [], clock_start + stream.connect
-    for delay in stream.delays:
-        t += delay
-        stamps.append(t)
-    want_ttft = stamps[0] - clock_start
-    want_gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    want_text = "".join(text for text, special in stream.tokens if not special)
     if stream.sent != 1:
         raise Hint(f"send() was called {stream.sent} times: call it once, it sends the request")
     if stream.read < n:
         raise Hint(f"only {stream.read} of the {n} events were read: go through the whole stream")
-    try:
-        float(ttft)
-    except (TypeError, ValueError):
-        raise Hint(f"ttft should be a number of seconds, got {type(ttft).__name__}") from None
+    stamps = list(stream.arrivals)               # when each token arrived
+    want_ttft = stamps[0] - clock_start
+    want_gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    want_text = "".join(text for text, special in stream.tokens if not special)
+    expect_number("ttft (seconds)", ttft)        # the lesson multiplies and formats it
+    late = float(ttft) - want_ttft
+    stamped_late = 1e-9 < late <= 10 * READ_COST     # told after the gaps' count is checked
     if abs(float(ttft) - 1e3 * want_ttft) < 1e-6 and want_ttft:
         raise Hint(f"ttft is {float(ttft):.4g}: that is in milliseconds; return seconds, as the "
                    f"clock gives them")
-    if abs(float(ttft) - stamps[0]) < 1e-9:
+    if abs(float(ttft) - stamps[0]) < NEAR:
         raise Hint(f"ttft is {float(ttft):.6g}: the clock's reading when the first token came, "
                    f"not a duration; subtract the reading taken before calling send()")
-    if abs(float(ttft) - want_ttft) > 1e-9:
+    if abs(float(ttft) - want_ttft) > 1e-9 and not stamped_late:
         got = float(ttft)
         if abs(got) < 1e-9:
             raise Hint(f"ttft is 0, expected {_ms(want_ttft)}: the clock started when the first "
@@ -164,13 +181,13 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
                        f"short, the time send() itself took. Start the clock before calling "
                        f"send(): some clients (openai's) send the request and wait for the "
                        f"reply's headers inside that call")
-        if (n > 1 and abs(got - (stamps[-1] - clock_start)) < 1e-9 and isinstance(gaps, (list, tuple))
+        if (n > 1 and abs(got - (stamps[-1] - clock_start)) < NEAR and isinstance(gaps, (list, tuple))
                 and all(abs(float(g)) < 1e-12 for g in gaps if isinstance(g, (int, float)))):
             raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}, and every gap is 0: all "
                        f"tokens got the same time, so the stream was read to its end (list(...)?) "
                        f"before the times were taken; take clock() in the loop, as each event "
                        f"arrives")
-        if n > 1 and abs(got - (stamps[-1] - clock_start)) < 1e-9:
+        if n > 1 and abs(got - (stamps[-1] - clock_start)) < NEAR:
             raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}: that is the time to the "
                        f"last token; the TTFT ends at the first one")
         raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)} (from calling send() to the "
@@ -190,17 +207,18 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
     if len(gaps) != len(want_gaps):
         raise Hint(f"gaps holds {len(gaps)} numbers, expected {len(want_gaps)}: one for each "
                    f"token after the first (the time since the token before it)")
+    if stamped_late:
+        raise Hint(f"ttft is {late * 1e6:.0f} µs longer than the time to the first token: the "
+                   f"stamp was taken after the loop read the event (event.token ...); read "
+                   f"clock() first thing for each event, so that nothing of yours delays it")
     for i, (got, want) in enumerate(zip(gaps, want_gaps)):
-        try:
-            got = float(got)
-        except (TypeError, ValueError):
-            raise Hint(f"gap {i} should be a number of seconds, got {type(got).__name__}") from None
+        got = expect_number(f"gap {i} (seconds)", got)
         if abs(got - want) > 1e-9:
             since_first = stamps[i + 1] - stamps[0]
             since_start = stamps[i + 1] - clock_start
-            if abs(got - since_first) < 1e-9 or abs(got - since_start) < 1e-9:
+            if abs(got - since_first) < NEAR or abs(got - since_start) < NEAR:
                 raise Hint(f"gap {i} is {_ms(got)}, expected {_ms(want)}: that is the time since "
-                           f"{'the first token' if abs(got - since_first) < 1e-9 else 'send()'}, "
+                           f"{'the first token' if abs(got - since_first) < NEAR else 'send()'}, "
                            f"not since the token before it")
             if abs(got - 1e3 * want) < 1e-6:
                 raise Hint(f"gap {i} is {got:.4g}: that is in milliseconds; return seconds")
@@ -404,6 +422,11 @@ def _generate_all_checker(learner, cases):
                 raise Hint(f"the {len(requests)} requests went out one after another (never two "
                            f"in flight at once), so each waited for the one before: start them "
                            f"all, then wait for all of them (asyncio.gather)")
+            if client.most_in_flight < len(requests):
+                raise Hint(f"at most {client.most_in_flight} of the {len(requests)} requests "
+                           f"were in flight at once: send them all at once, one "
+                           f"asyncio.gather over every request, not in groups or one after "
+                           f"another for some of them")
             if inspect.isawaitable(got):
                 raise Hint(f"generate_all returned {type(got).__name__}, something still to be "
                            f"awaited: return the answers of `await asyncio.gather(...)`")
@@ -441,7 +464,7 @@ GATHER_CAUSES = {
 def check_generate_all(learner_generate_all):
     """Lesson 07: check the learner's ``async generate_all(aclient, requests)`` with a fake
     ``AsyncClient`` whose answers finish in reverse order: every request sent once with its
-    parameters, all in flight together, the texts returned in request order (three adapters,
+    parameters, all of them in flight at once (it counts them), the texts returned in request order (three adapters,
     five requests, one, none). Print one line; return the function the lesson should use."""
     return run_check("generate_all", learner_generate_all, _generate_all_checker,
                      fallback=generate_all_reference, causes=GATHER_CAUSES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from ..paged import BlockManager, PoolExhausted, block_hash
-from .core import Hint, expect_equal, run_check
+from .core import Hint, expect_equal, expect_unchanged, run_check
 
 __all__ = ["check_block_hashes", "check_blocks", "course_block_hashes"]
 
@@ -76,7 +76,9 @@ def _block_hash_cases(learner, cases):
     for label, tokens, size, adapter in scenarios:
         with cases(label):
             expected = course_block_hashes(tokens, size, adapter)
-            got = learner(list(tokens), size, adapter) if adapter else learner(list(tokens), size)
+            given = list(tokens)
+            got = learner(given, size, adapter) if adapter else learner(given, size)
+            expect_unchanged("token_ids", list(tokens), given)
             if not isinstance(got, list):
                 raise Hint(f"block_hashes should return a list of names (strings), "
                            f"got {type(got).__name__}")

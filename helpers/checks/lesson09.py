@@ -6,7 +6,8 @@ right, wrong from the first one, wrong in the middle, no guesses at all, and the
 (an empty cache and the whole prompt unread). The new tokens must be the same, and so must
 the cache afterwards (its length, then its keys). ``lookup`` is compared with
 ``helpers.PromptLookupProposer`` on hand-made token lists, ``expected_tokens`` with the
-formula of the lesson's cost model.
+formula of the lesson's cost model (and must return a number). None of them may change the
+lists it is given.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from ..batching import cache_layers
 from ..generation import generate_with_cache
 from ..speculative import PromptLookupProposer, verify_greedy
-from .core import Hint, expect_close, expect_equal, run_check
+from .core import Hint, expect_close, expect_equal, expect_number, expect_unchanged, run_check
 
 __all__ = ["check_expected_tokens", "check_lookup", "check_verify", "course_expected_tokens",
            "course_lookup"]
@@ -72,7 +73,10 @@ def _verify_cases(model, tokenizer):
             with cases(label):
                 ref_cache, cache = _prefill(model, cached), _prefill(model, cached)
                 expected = verify_greedy(model, ref_cache, list(unread), list(guesses))
-                got = learner(model, cache, list(unread), list(guesses))
+                given_unread, given_guesses = list(unread), list(guesses)
+                got = learner(model, cache, given_unread, given_guesses)
+                expect_unchanged("unread", list(unread), given_unread)
+                expect_unchanged("guesses", list(guesses), given_guesses)
                 if isinstance(got, torch.Tensor):
                     raise Hint(f"verify should return a list of token ids, got a tensor: use "
                                f".tolist()")
@@ -181,6 +185,7 @@ def _lookup_cases(learner, cases):
     scenarios = [
         ("the last 3 tokens found earlier", [4, 5, 6, 7, 8, 1, 4, 5, 6], 3, 3),
         ("two earlier occurrences", [5, 6, 1, 5, 6, 2, 5, 6], 4, 3),
+        ("a 2-gram match, a 1-gram elsewhere", [5, 6, 9, 1, 6, 2, 5, 6], 2, 3),
         ("a 3-gram and a 1-gram match", repeat, 2, 3),
         ("fewer than k tokens after the match", [3, 1, 2, 3], 4, 3),
         ("a repeated token", [7, 7], 3, 3),
@@ -191,7 +196,9 @@ def _lookup_cases(learner, cases):
     for label, ids, k, max_ngram in scenarios:
         with cases(f"{label}: lookup({ids}, k={k}" + (f", max_ngram={max_ngram})" if max_ngram != 3 else ")")):
             expected = course_lookup(ids, k, max_ngram)
-            got = learner(list(ids), k) if max_ngram == 3 else learner(list(ids), k, max_ngram)
+            given = list(ids)
+            got = learner(given, k) if max_ngram == 3 else learner(given, k, max_ngram)
+            expect_unchanged("ids", list(ids), given)
             if not isinstance(got, list):
                 raise Hint(f"lookup should return a list of token ids, got {type(got).__name__}")
             if got == expected:
@@ -246,10 +253,8 @@ def _expected_cases(learner, cases):
                     raise Hint("alpha = 1 divides by zero: every guess is accepted, so a pass "
                                "writes k + 1 tokens; return that when alpha == 1") from None
                 raise
-            try:
-                far = abs(float(got) - expected) > 1e-9 * max(1, expected)
-            except (TypeError, ValueError):
-                far = False                     # expect_close says what it should be
+            got_value = expect_number(f"expected_tokens({alpha}, {k})", got)   # formatted later
+            far = abs(got_value - expected) > 1e-9 * max(1, expected)
             if far and alpha == 1:
                 raise Hint(f"expected_tokens(1.0, {k}) = {float(got):.4g}, expected {k + 1}: when "
                            f"every guess is accepted a pass writes the k guesses and the model's "

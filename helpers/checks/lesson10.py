@@ -2,13 +2,14 @@
 the break-even point of a compile.
 
 ``capture_size`` and ``pad_batch`` are compared with ``helpers.compilation``'s on hand-made
-batches and size lists (unsorted lists and batches too large for any size included).
-``CountingBackend`` is first called by hand with a small traced graph, then used as the
-backend of ``torch.compile`` on a small function made afresh for each check (a new code
+batches and size lists (unsorted lists in an order that neither a first fit nor a bisect gets
+right, batches too large for any size, the lesson's default sizes; int32 ids, on the lesson's
+device). ``CountingBackend`` is first called by hand with a small traced graph, then used as
+the backend of ``torch.compile`` on a small function made afresh for each check (a new code
 object, so nothing TorchDynamo cached earlier interferes): one graph for the first call, none
-for a call with the same shapes, one more for a new shape, and a list of its own for each
-backend. ``break_even_tokens`` is compared with the formula on five cases, two where the
-compiled step saves nothing.
+for a call with the same shapes, one more for a new shape, the function's values at every call
+(not only the first), and a list of its own for each backend. ``break_even_tokens`` is compared
+with the formula on seven cases: two exact divisions, two where the compiled step saves nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import math
 
 import torch
 
-from ..compilation import CountingBackend, break_even_tokens, capture_size, pad_batch
-from .core import Hint, expect_equal, run_check
+from ..compilation import CAPTURE_SIZES, CountingBackend, break_even_tokens, capture_size, pad_batch
+from .core import Hint, device_hint, expect_equal, expect_unchanged, run_check
 
 __all__ = ["check_break_even", "check_capture_size", "check_counting_backend", "check_replay",
            "check_pad_batch"]
@@ -28,6 +29,7 @@ __all__ = ["check_break_even", "check_capture_size", "check_counting_backend", "
 
 def _capture_cases(learner, cases):
     powers = (1, 2, 4, 8, 16, 32, 64)
+    shuffled = (64, 8, 32, 1, 16, 4, 2)          # neither a first fit nor a bisect finds 4 for 3
     scenarios = [
         ("a batch of 1", 1, powers),
         ("a batch between two sizes", 3, powers),
@@ -35,20 +37,31 @@ def _capture_cases(learner, cases):
         ("the largest size", 64, powers),
         ("a batch between 32 and 64", 33, powers),
         ("a list that is not powers of two", 17, (1, 2, 4, 8, 16, 24, 32)),
-        ("sizes in no particular order", 3, (8, 1, 4, 2)),
+        ("sizes in no particular order", 3, [8, 1, 4, 2]),
+        ("sizes in no particular order", 3, list(shuffled)),
+        ("sizes in no particular order", 17, list(shuffled)),
+        ("sizes in no particular order, a batch that is one of them", 16, list(shuffled)),
         ("a batch larger than every size", 65, powers),
+        ("a batch larger than every size, unsorted", 65, list(shuffled)),
     ]
     for label, batch, sizes in scenarios:
         with cases(f"{label}: capture_size({batch}, {sizes})"):
             expected = capture_size(batch, sizes)
+            given = list(sizes) if isinstance(sizes, list) else sizes
             try:
-                got = learner(batch, list(sizes) if label.startswith("sizes") else sizes)
+                got = learner(batch, given)
             except Exception as error:
                 if expected is not None:
                     raise
                 raise Hint(f"capture_size({batch}, {sizes}) raised {type(error).__name__}: no "
                            f"size holds {batch} rows, so the batch runs without a compiled "
                            f"graph: return None") from None
+            if isinstance(sizes, list):
+                expect_unchanged("sizes", sizes, given)
+            if got is not None and (isinstance(got, bool) or not isinstance(got, int)):
+                raise Hint(f"capture_size({batch}, {sizes}) gave {got!r}, a "
+                           f"{type(got).__name__}: return one of the sizes as it is (an int), or "
+                           f"None; pad_batch makes that many rows")
             if got == expected and (got is None) == (expected is None):
                 continue
             where = f"capture_size({batch}, {sizes}) gave {got!r}, expected {expected!r}"
@@ -63,32 +76,49 @@ def _capture_cases(learner, cases):
                            f"compare with >=, not >")
             if label.startswith("sizes"):
                 raise Hint(f"{where}: the sizes may come in any order; take the smallest of those "
-                           f"that fit (min), not the first one")
+                           f"that fit (min), not the first one (nor a bisect, which needs them "
+                           f"sorted)")
             if got == 1 << (batch - 1).bit_length():
                 raise Hint(f"{where}: use the sizes given, not the next power of two")
             expect_equal(f"capture_size({batch}, {sizes})", got, expected)
+    with cases(f"the lesson's call with the default sizes: capture_size(5) (sizes={CAPTURE_SIZES})"):
+        got = learner(5)
+        if got != capture_size(5):
+            raise Hint(f"capture_size(5) gave {got!r}, expected {capture_size(5)}: keep the "
+                       f"default sizes=CAPTURE_SIZES, which the lesson's later cells use")
 
 
 def check_capture_size(learner_capture_size):
-    """Lesson 10: check the learner's ``capture_size(batch, sizes)`` (the smallest size that
-    holds the batch, None when none does) against ``helpers.compilation.capture_size`` on eight
-    cases; print one line and return the function the rest of the lesson should use."""
-    return run_check("capture_size", learner_capture_size, _capture_cases, fallback=capture_size)
+    """Lesson 10: check the learner's ``capture_size(batch, sizes=CAPTURE_SIZES)`` (the smallest
+    size that holds the batch, None when none does) against ``helpers.compilation.capture_size``
+    on sorted and unsorted sizes, batches too large for any size and the default sizes; print
+    one line and return the function the rest of the lesson should use."""
+    return run_check("capture_size", learner_capture_size, _capture_cases, fallback=capture_size,
+                     causes={"missing 1 required positional argument": "keep the default, "
+                             "def capture_size(batch, sizes=CAPTURE_SIZES): the lesson calls "
+                             "capture_size(batch)",
+                             "object has no attribute 'sort'": "the sizes may be a tuple "
+                             "(CAPTURE_SIZES is one) and are not yours to change: sorted(sizes) "
+                             "makes a sorted copy, or take min() of those that fit"})
 
 
 # ---- pad_batch --------------------------------------------------------------------------------
 
-def _pad_cases(learner, cases):
-    rows = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+def _pad_cases(learner, cases, device):
+    rows = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]], device=device)
     scenarios = [("3 rows padded to 4", rows, 4, 0),
                  ("3 rows padded to 8, pad id 99", rows, 8, 99),
                  ("1 row padded to 2", rows[:1], 2, 0),
-                 ("a batch that already has the size", rows, 3, 0)]
+                 ("a batch that already has the size", rows, 3, 0),
+                 ("ids of another integer type (int32)", rows.int(), 4, 7)]
     for label, ids, size, pad in scenarios:
-        with cases(f"{label}: pad_batch(a {tuple(ids.shape)} tensor, {size}, {pad})"):
+        where = f"a {tuple(ids.shape)} {str(ids.dtype).replace('torch.', '')} tensor on {device}"
+        with cases(f"{label}: pad_batch({where}, {size}, {pad})"):
             expected = pad_batch(ids, size, pad)
             before = ids.clone()
-            got = learner(ids.clone(), size, pad)
+            given = ids.clone()
+            got = learner(given, size, pad)
+            expect_unchanged("input_ids", before, given)
             batch = ids.shape[0]
             if not isinstance(got, torch.Tensor):
                 raise Hint(f"pad_batch should return a tensor, got {type(got).__name__}")
@@ -105,8 +135,7 @@ def _pad_cases(learner, cases):
                 raise Hint(f"the result is {got.dtype}, the input {ids.dtype}: token ids stay "
                            f"integers (input_ids.new_full(...) keeps the dtype and device)")
             if got.device != ids.device:
-                raise Hint(f"the result is on {got.device}, the input on {ids.device}: keep the "
-                           f"input's device")
+                raise Hint(device_hint("the padded batch", got.device, ids.device))
             if torch.equal(got, expected):
                 continue
             if size > batch and torch.equal(got[size - batch:], ids):
@@ -121,11 +150,14 @@ def _pad_cases(learner, cases):
             expect_equal("the padded batch", got.tolist(), expected.tolist())
 
 
-def check_pad_batch(learner_pad_batch):
+def check_pad_batch(learner_pad_batch, device="cpu"):
     """Lesson 10: check the learner's ``pad_batch(input_ids, size, pad_token_id)`` against
-    ``helpers.compilation.pad_batch`` on four batches; print one line and return the function
-    the rest of the lesson should use."""
-    return run_check("pad_batch", learner_pad_batch, _pad_cases, fallback=pad_batch)
+    ``helpers.compilation.pad_batch`` on five batches on ``device`` (the lesson's:
+    ``model.device``), one of int32 ids: same values, dtype and device; print one line and
+    return the function the rest of the lesson should use."""
+    device = torch.device(device)
+    return run_check("pad_batch", learner_pad_batch,
+                     lambda learner, cases: _pad_cases(learner, cases, device), fallback=pad_batch)
 
 
 # ---- CountingBackend --------------------------------------------------------------------------
@@ -190,13 +222,21 @@ def _counting_cases(learner_class, cases):
         if len(backend.graphs) != 1:
             raise Hint(f"one call compiled {len(backend.graphs)} graphs by your count, expected 1")
     with cases("a second call with tensors of the same shape"):
-        _call(compiled, x + 1)
+        out = _call(compiled, x + 1)
+        if not torch.allclose(out, fn(x + 1)):
+            raise Hint("a second call with new values gives what the first call gave (or other "
+                       "values than the function): the callable you return must run the graph "
+                       "on the inputs it is given, gm.forward, not a result kept from before")
         if len(backend.graphs) != 1:
             raise Hint(f"backend.graphs holds {len(backend.graphs)} graphs after two calls of the "
                        f"same shape, expected 1: the backend is called once per compilation; "
                        f"count in __call__, not inside the function you return")
     with cases("a call with a new shape (dynamic=False: a recompilation)"):
-        _call(compiled, torch.ones(4, 3))
+        y = torch.linspace(-2, 2, 12).view(4, 3)
+        out = _call(compiled, y)
+        if not torch.allclose(out, fn(y)):
+            raise Hint("the compiled function gives other values than the function for a new "
+                       "shape: return gm.forward, which runs the graph it was given")
         if len(backend.graphs) != 2:
             raise Hint(f"backend.graphs holds {len(backend.graphs)} graphs after a new shape, "
                        f"expected 2")
@@ -225,6 +265,8 @@ def _break_even_cases(learner, cases):
         ("batch 1", 30.0, 0.0060, 0.0031, 1),
         ("batch 64", 25.0, 0.0300, 0.0249, 64),
         ("batch 8", 12.5, 0.0093, 0.0061, 8),
+        ("an exact division: 3 s / 0.25 s = 12 steps", 3.0, 0.5, 0.25, 1),
+        ("an exact division at batch 4: 1.5 s / 0.125 s = 12 steps", 1.5, 0.25, 0.125, 4),
         ("a compiled step no faster", 20.0, 0.004, 0.004, 1),
         ("a compiled step slower", 20.0, 0.004, 0.005, 4),
     ]
@@ -237,13 +279,13 @@ def _break_even_cases(learner, cases):
             except ZeroDivisionError:
                 raise Hint(f"{call} divides by zero: when the compiled step saves nothing, "
                            f"compiling never pays; return math.inf") from None
-            try:
-                value = float(got)
-            except (TypeError, ValueError):
+            if isinstance(got, bool) or not isinstance(got, (int, float)):
                 if expected == math.inf:
                     raise Hint(f"{call} gave {got!r}: return math.inf when the compiled step "
-                               f"saves nothing (or is slower)") from None
-                raise Hint(f"{call} should be a number, got {type(got).__name__}") from None
+                               f"saves nothing (or is slower)")
+                raise Hint(f"{call} should be a number of tokens (an int), got "
+                           f"{type(got).__name__}")
+            value = float(got)
             if expected == math.inf:
                 if value != math.inf:
                     raise Hint(f"{call} gave {got!r}, expected math.inf: a compiled step that is "
@@ -261,16 +303,32 @@ def _break_even_cases(learner, cases):
                 raise Hint(f"{call} gave {got!r}, expected {expected}: the steps are whole "
                            f"steps, so round them up (math.ceil) before multiplying by the "
                            f"batch")
-            # Rounding the tokens up instead of the steps is accepted too (the same idea).
-            if not value.is_integer() or int(value) not in (expected, math.ceil(steps * batch)):
+            if steps.is_integer() and value == (steps + 1) * batch:
+                raise Hint(f"{call} gave {got!r}, expected {expected}: {compile_s} / {saving} "
+                           f"is exactly {steps:.0f} steps, and rounding up leaves a whole number "
+                           f"as it is: math.ceil, not int(...) + 1")
+            if value == expected and not isinstance(got, int):
+                raise Hint(f"{call} gave {got!r}, a float: return an int (math.ceil gives one), "
+                           f"as the lesson prints it as a count of tokens")
+            if value != expected:
+                if value == math.floor(steps) * batch:
+                    raise Hint(f"{call} gave {got!r}, expected {expected}: the steps were rounded "
+                               f"down ({steps:.7g} to {math.floor(steps)}, by int(), floor or "
+                               f"round()); the last part of a step still needs a whole step, so "
+                               f"round up: math.ceil")
+                if value == math.ceil(steps * batch):
+                    raise Hint(f"{call} gave {got!r}, expected {expected}: round the steps up "
+                               f"(math.ceil(compile_seconds / saving)), then multiply by the "
+                               f"batch; rounding the tokens up counts part of a step")
                 raise Hint(f"{call} gave {got!r}, expected {expected}: compile_seconds divided "
                            f"by the saving per step, rounded up to whole steps, times the batch")
 
 
 def check_break_even(learner_break_even_tokens):
     """Lesson 10: check the learner's ``break_even_tokens(compile_seconds, eager_step,
-    compiled_step, batch)`` against ``helpers.compilation.break_even_tokens`` on five cases;
-    print one line and return the function the rest of the lesson should use."""
+    compiled_step, batch)`` against ``helpers.compilation.break_even_tokens`` on seven cases
+    (two exact divisions, two where the compiled step saves nothing); print one line and return
+    the function the rest of the lesson should use."""
     return run_check("break_even_tokens", learner_break_even_tokens, _break_even_cases,
                      fallback=break_even_tokens)
 
