@@ -73,8 +73,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", str, None, "cpu, cuda, ... (default: CUDA if there is a GPU)"),
     Option("dtype", str, None, "float32 (the default), float16, bfloat16 or auto"),
     Option("threads", int, None, "torch CPU threads (default: on the CPU, every core but one, "
-           "at least one, so that the HTTP side and the clients keep a core; on a GPU, "
-           "torch's choice)"),
+           "at least one, so that the HTTP side and the clients keep a core; on a GPU, one: "
+           "the CPU then only builds small index tensors and launches kernels)"),
     Option("log_level", str, "warning", "how much the server logs",
            choices=("critical", "error", "warning", "info", "debug")),
 )
