@@ -57,3 +57,22 @@ def tiny_llama():
     tokenizer = load_tokenizer()
     torch.manual_seed(0)
     return random_llama(tokenizer), tokenizer
+
+
+def process_gone(pid: int, timeout: float = 30.0) -> bool:
+    """True once process ``pid`` has exited (reaped, or a zombie waiting to be) within
+    ``timeout`` seconds: what the tests of lessons 07 and 11 ask of a server or a rank whose
+    kernel went away."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

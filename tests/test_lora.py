@@ -169,7 +169,9 @@ def test_per_row_layers_equal_peft_on_llama_style_model(tiny_llama, tmp_path):
     assert type(ours.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
-def test_per_row_layers_equal_peft_on_gpt2_conv1d(tmp_path):
+def _tiny_gpt2():
+    """A random GPT-2 of width 32 and 2 layers for the course's tokenizer (seeded), and the
+    tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from helpers import load_tokenizer
@@ -178,7 +180,11 @@ def test_per_row_layers_equal_peft_on_gpt2_conv1d(tmp_path):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
                         n_positions=64, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config).eval()
+    return GPT2LMHeadModel(config).eval(), tokenizer
+
+
+def test_per_row_layers_equal_peft_on_gpt2_conv1d(tmp_path):
+    model, tokenizer = _tiny_gpt2()
     folders = {"attn": _save_random_adapter(model, tmp_path / "a", 4, ["c_attn", "c_proj"], 1),
                "fc": _save_random_adapter(model, tmp_path / "b", 2, ["c_fc"], 2),
                # the embedding and the (tied) output layer too, as the entities adapter does
@@ -193,17 +199,11 @@ def test_layers_wrapped_before_any_adapter_keep_their_objects_and_answers(tmp_pa
     Embedding at once; adapters loaded later fill the stacks without replacing a module, and
     answer as adapters loaded the usual way. An empty wrapper can be taken over by another
     MultiLora; one that holds adapters cannot."""
-    from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
 
-    from helpers import load_tokenizer
     from helpers.lora import MultiLora
 
-    tokenizer = load_tokenizer()
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
-                        n_positions=64, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config).eval()
+    model, tokenizer = _tiny_gpt2()
     folders = {"attn": _save_random_adapter(model, tmp_path / "a", 4, ["c_attn", "c_proj"], 1),
                "ends": _save_random_adapter(model, tmp_path / "c", 3, ["wte", "lm_head"], 3)}
     adaptable = [path for path, m in model.named_modules()

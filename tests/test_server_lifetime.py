@@ -11,6 +11,8 @@ from jupyter_client.manager import start_new_kernel
 
 from helpers.server.background import port_is_free
 
+from .conftest import process_gone
+
 START = ("from helpers import serve_in_background\n"
          "server = serve_in_background(threads=1, max_batch_size=2{port})\n"
          "print(server.pid, server.url.rsplit(':', 1)[1])")
@@ -31,20 +33,6 @@ def run(client, code: str) -> str:
     return "".join(out)
 
 
-def gone(pid: int, timeout: float = 30.0) -> bool:
-    """True once process ``pid`` has exited (reaped or a zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 @pytest.fixture
 def kernel():
     manager, client = start_new_kernel(kernel_name="python3", startup_timeout=90)
@@ -60,7 +48,7 @@ def test_killing_the_kernel_stops_its_server_and_frees_the_port(kernel):
     pid, port = map(int, run(client, START.format(port="")).split()[-2:])
     assert not port_is_free("127.0.0.1", port)
     os.kill(manager.provisioner.process.pid, signal.SIGKILL)     # the kernel dies at once
-    assert gone(pid), "the server outlived its kernel"
+    assert process_gone(pid), "the server outlived its kernel"
     deadline = time.monotonic() + 10
     while not port_is_free("127.0.0.1", port) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -72,7 +60,7 @@ def test_restarting_the_kernel_stops_its_server(kernel):
     manager, client = kernel
     pid, _ = map(int, run(client, START.format(port="")).split()[-2:])
     manager.restart_kernel(now=True)
-    assert gone(pid), "the server outlived the kernel's restart"
+    assert process_gone(pid), "the server outlived the kernel's restart"
 
 
 def test_a_port_in_use_gets_a_message_and_another_port(kernel):

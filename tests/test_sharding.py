@@ -19,7 +19,7 @@ from helpers.sharding import (LLAMA2_70B_SHAPE, LINKS, CommCounts, GroupBroken, 
                               shard_model,
                               split_columns, split_qkv, split_rows, stage_blocks, start_ranks,
                               tp_decode_step, vocab_shard, weight_bytes, weight_bytes_per_rank)
-from tests.conftest import COURSE_PROMPTS
+from tests.conftest import COURSE_PROMPTS, process_gone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -284,19 +284,6 @@ def test_the_cost_model_is_the_ring_formula():
 
 # ---- ranks as processes (gloo) -----------------------------------------------------------------
 
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
     group = start_ranks(2, backend="gloo", name="tests")
@@ -349,7 +336,7 @@ def test_two_sharded_models_at_once_and_a_rank_that_dies(bundled, two_ranks):
         with pytest.raises(RankDied, match=r"rank 1 of 2 died \(killed by SIGKILL\)"):
             other.generate(ids_of(tokenizer, "Jack and Jill"), 12)
         assert time.monotonic() - start < 5
-        assert all(_gone(pid) for pid in other.pids)
+        assert all(process_gone(pid, 10.0) for pid in other.pids)
         with pytest.raises(RankDied):                      # the group stays stopped
             other.generate(ids_of(tokenizer, "Jack and Jill"), 2)
         assert two_ranks.running                           # the first group is untouched
@@ -382,9 +369,9 @@ def test_killing_the_notebook_kernel_stops_its_ranks():
             if m["msg_type"] == "stream" else None)
         assert reply["content"]["status"] == "ok", out
         pids = [int(p) for p in "".join(out).split()]
-        assert len(pids) == 2 and not any(_gone(p, 0.5) for p in pids)
+        assert len(pids) == 2 and not any(process_gone(p, 0.5) for p in pids)
         os.kill(manager.provisioner.process.pid, signal.SIGKILL)
-        assert all(_gone(pid) for pid in pids), "a rank outlived its kernel"
+        assert all(process_gone(pid, 10.0) for pid in pids), "a rank outlived its kernel"
     finally:
         client.stop_channels()
         if manager.is_alive():
