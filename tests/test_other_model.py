@@ -1,5 +1,6 @@
 """Lessons 05-07 with $COURSE_MODEL naming a model the shipped adapters were not trained for
-(and lesson 09 with one whose tokenizer is not the course draft's).
+(and lesson 09 with one whose tokenizer is not the course draft's, lesson 02 with one of
+another size: what a learner sets on a GPU to see larger gains).
 
 The model is a tiny random GPT-2 (hidden 64 instead of the bundled 256) saved with the bundled
 tokenizer, so no hub is needed. Each lesson must say in one printed sentence why the adapters
@@ -60,6 +61,20 @@ def one_note(printed: dict[str, str]) -> str:
              if "shipped adapters" in line and "shape mismatch" in line]
     assert len(notes) == 1, notes
     return notes[0]
+
+
+def test_lesson_02_measures_the_three_costs_of_another_model(tiny_gpt2, monkeypatch):
+    """What a learner does on a GPU to see larger gains: $COURSE_MODEL names another model
+    (here of another width and depth). Lesson 02 measures the three costs of that model's
+    step, shrinks it to measure its overhead, and names the bound at every batch size."""
+    printed = run_lesson("02_batching.ipynb", tiny_gpt2, monkeypatch)
+    lines = [line for text in printed.values() for line in text.splitlines()]
+    assert any("2 layers, hidden 64" in line for line in lines)   # it ran on the tiny model
+    table = [line for line in lines if line.split()[:1] and line.split()[0] in
+             ("1", "8", "64", "256", "1024") and line.rstrip().endswith(
+                 ("overhead", "arithmetic", "reading weights"))]
+    assert len(table) == 5, table
+    assert sum("bound by" in line for line in lines) == 2
 
 
 def test_lesson_05_trains_a_fresh_adapter(tiny_gpt2, monkeypatch):
