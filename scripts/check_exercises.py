@@ -226,4 +226,8 @@ EXERCISES = [
     Exercise("10", "capture_size", "check_capture_size", (), setup="import torch"),
     Exercise("10", "pad_batch", "check_pad_batch", ("device",), setup="import torch"),
     Exercise("10", "break_even_tokens", "check_break_even", ()),
+    Exercise("11", "split_qkv", "check_split_qkv", ("model",), setup="import torch"),
+    Exercise("11", "ShardedMLP", "check_sharded_mlp", ("model",), setup="import torch"),
+    Exercise("11", "embed_vocab_shard", "check_embed_vocab_shard", ("model",),
+             setup="import torch"),
 ]

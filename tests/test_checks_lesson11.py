@@ -9,6 +9,7 @@ import torch
 from helpers.checks import check_embed_vocab_shard, check_sharded_mlp, check_split_qkv
 from helpers.sharding import (ShardedMLP, SimulatedTP, embed_vocab_shard, split_qkv,
                               run_in_threads, ThreadGroup, vocab_shard)
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -355,3 +356,48 @@ def test_a_passing_embedding_gives_the_whole_embedding(model):
     shards = [vocab_shard(wte, r, 2) for r in range(2)]
     out = run_in_threads(ThreadGroup(2), lambda r, comm: lesson_embed(ids, *shards[r], comm))
     assert all(torch.equal(rows, wte[ids]) for rows in out)
+
+
+# ---- answers only a GPU shows wrong: a tensor made on the CPU -----------------------------------
+
+def columns_picked_by_a_cpu_index(weight, bias, num_heads, rank, world_size):
+    """index_select with an index made by torch.arange, on the CPU: on a GPU it cannot pick
+    from the weight's columns."""
+    if num_heads % world_size:
+        raise ValueError("heads")
+    hidden = weight.shape[1] // 3
+    part = hidden // world_size
+    index = torch.cat([torch.arange(s + rank * part, s + (rank + 1) * part)
+                       for s in (0, hidden, 2 * hidden)])
+    return weight.index_select(1, index), bias.index_select(0, index)
+
+
+class SumIntoCpuZeros(ShardedMLP):
+    """The partial sum gathered into zeros made on the CPU."""
+    def forward(self, x):
+        h = self.act(x @ self.fc_weight + self.fc_bias)
+        partial = torch.zeros(*x.shape[:-1], self.proj_weight.shape[1], dtype=x.dtype)
+        partial += h @ self.proj_weight
+        self.comm.all_reduce(partial)
+        return partial + self.proj_bias
+
+
+def zeros_made_on_the_cpu(ids, weight_shard, start, comm):
+    mine = (ids >= start) & (ids < start + len(weight_shard))
+    local = torch.where(mine, ids - start, torch.zeros(ids.shape, dtype=ids.dtype))
+    rows = weight_shard[local] * mine.unsqueeze(-1).to(weight_shard.dtype)
+    return comm.all_reduce(rows)
+
+
+EXERCISES = [
+    Exercise("split_qkv", check_split_qkv, ("model",), split_qkv,
+             right=[lesson_split_qkv, with_chunks], wrong=QKV_MISTAKES,
+             wrong_on_gpu={columns_picked_by_a_cpu_index: "a tensor made on the CPU met one on "
+                                                          "the GPU"}),
+    Exercise("ShardedMLP", check_sharded_mlp, ("model",), ShardedMLP,
+             right=[LessonMLP, ReturningTheSum], wrong=MLP_MISTAKES,
+             wrong_on_gpu={SumIntoCpuZeros: "a tensor made on the CPU met one on the GPU"}),
+    Exercise("embed_vocab_shard", check_embed_vocab_shard, ("model",), embed_vocab_shard,
+             right=[lesson_embed, with_masked_fill], wrong=EMBED_MISTAKES,
+             wrong_on_gpu={zeros_made_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
+]
