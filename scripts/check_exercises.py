@@ -226,4 +226,23 @@ EXERCISES = [
     Exercise("10", "capture_size", "check_capture_size", (), setup="import torch"),
     Exercise("10", "pad_batch", "check_pad_batch", ("device",), setup="import torch"),
     Exercise("10", "break_even_tokens", "check_break_even", ()),
+    Exercise("11", "split_qkv", "check_split_qkv", ("model",), setup="import torch", harmless={
+        "statements swapped: `if num_heads % world_size: / hidden = weight.shape[1] // 3` -> "
+        "`hidden = weight.shape[1] // 3 / if num_heads % world_size:`": INDEPENDENT + " (the "
+        "ValueError still comes before anything is cut)",
+    }),
+    Exercise("11", "ShardedMLP", "check_sharded_mlp", ("model",), setup="import torch"),
+    Exercise("11", "embed_vocab_shard", "check_embed_vocab_shard", ("model",),
+             setup="import torch", harmless={
+                 "operands swapped: `(ids >= start) & (ids < start + weight_shard.shape[0])` -> "
+                 "`(ids < start + weight_shard.shape[0]) & (ids >= start)`": "& is symmetric: "
+                 "the same mask",
+                 "off by one: `0` -> `-1` (#2)": "an id held by another rank looks up the "
+                 "shard's last row instead of its first, and the mask makes it zero all the same "
+                 "(the text asks for any valid index there)",
+                 "call dropped: `mine.unsqueeze(-1).to(weight_shard.dtype)` -> "
+                 "`mine.unsqueeze(-1)`": "rows times a boolean mask keep the rows' dtype "
+                 "(PyTorch promotes bool to the float type it meets, float16 and bfloat16 "
+                 "included), with the same values",
+             }),
 ]

@@ -1,7 +1,8 @@
 """Lesson 11's checks pass the course's code, say "not written yet" for a stub, and catch the
 mistakes learners make when they split a model: the Conv1D orientation, the fused queries,
 keys and values cut as one block, a bias added on every rank, an all-reduce missing or
-doubled, a vocabulary split without masking; each with a hint that names the cause."""
+doubled, a vocabulary split without masking, inputs or weights changed in place; each with a
+hint that names the cause."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from helpers.checks import check_embed_vocab_shard, check_sharded_mlp, check_split_qkv
 from helpers.sharding import (ShardedMLP, SimulatedTP, embed_vocab_shard, split_qkv,
                               run_in_threads, ThreadGroup, vocab_shard)
+from tests.answers import Exercise
 from tests.checking import assert_caught, assert_not_written, assert_passes, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +106,21 @@ def a_list_of_three(weight, bias, num_heads, rank, world_size):
     return [w, b, None]
 
 
+def regrouping_in_place(weight, bias, num_heads, rank, world_size):
+    """Every rank's columns made one block, in the weight itself, then one block cut: right
+    pieces, but the model's own c_attn is scrambled for the next rank and later cells."""
+    if num_heads % world_size:
+        raise ValueError("heads")
+    hidden = weight.shape[1] // 3
+    part = hidden // world_size
+    order = torch.cat([torch.arange(s + r * part, s + (r + 1) * part, device=weight.device)
+                       for r in range(world_size) for s in (0, hidden, 2 * hidden)])
+    weight.copy_(weight[:, order])
+    bias.copy_(bias[order])
+    mine = slice(rank * 3 * part, (rank + 1) * 3 * part)
+    return weight[:, mine].clone(), bias[mine].clone()
+
+
 QKV_MISTAKES = {
     rows_cut: "Conv1D stores its weight as (in, out)",
     one_block: "cut c_attn's columns as one block",
@@ -115,6 +132,7 @@ QKV_MISTAKES = {
     as_float32: "keep the dtype",
     assertion_instead: "raised AssertionError, expected ValueError",
     a_list_of_three: "return two tensors",
+    regrouping_in_place: "it changed the weight or bias it was given",
 }
 
 
@@ -216,6 +234,13 @@ class Float64(ShardedMLP):
         return self.comm.all_reduce(partial) + self.proj_bias.double()
 
 
+class BiasDividedInPlace(ShardedMLP):        # right once; the bias shrinks at every call
+    def forward(self, x):
+        self.proj_bias /= self.comm.world_size
+        h = self.act(x @ self.fc_weight + self.fc_bias)
+        return self.comm.all_reduce(h @ self.proj_weight + self.proj_bias)
+
+
 class Stub(ShardedMLP):
     def forward(self, x):
         raise NotImplementedError()
@@ -232,6 +257,7 @@ MLP_MISTAKES = {
     SumDiscarded: "all-reduces that, then adds proj_bias once",
     OnlyRankZeroReduces: "different numbers of all-reduces",
     Float64: "keep the dtype",
+    BiasDividedInPlace: "its second (a decode step) differs",
 }
 
 
@@ -320,6 +346,18 @@ def only_this_ranks_rows(ids, weight_shard, start, comm):
     return weight_shard[(ids - start)[mine]]
 
 
+def shifting_ids_in_place(ids, weight_shard, start, comm):
+    mine = (ids >= start) & (ids < start + len(weight_shard))
+    ids -= start                                       # the other ranks' ids too, in the lesson
+    rows = weight_shard[torch.where(mine, ids, 0)] * mine.unsqueeze(-1)
+    return comm.all_reduce(rows)
+
+
+def rows_scaled_a_little(ids, weight_shard, start, comm):
+    """One part in a million off: close, but the lesson compares with torch.equal."""
+    return lesson_embed(ids, weight_shard, start, comm) * (1 + 2 ** -20)
+
+
 EMBED_MISTAKES = {
     no_mask_no_offset: "look up ids - start, and only for the ids it holds",
     offset_without_mask: "got rows from several ranks",
@@ -329,6 +367,8 @@ EMBED_MISTAKES = {
     off_by_one: "not <=",
     float_mask: "keep the dtype",
     only_this_ranks_rows: "has shape",
+    shifting_ids_in_place: "changed the ids it was given",
+    rows_scaled_a_little: "close but not equal",
 }
 
 
@@ -355,3 +395,48 @@ def test_a_passing_embedding_gives_the_whole_embedding(model):
     shards = [vocab_shard(wte, r, 2) for r in range(2)]
     out = run_in_threads(ThreadGroup(2), lambda r, comm: lesson_embed(ids, *shards[r], comm))
     assert all(torch.equal(rows, wte[ids]) for rows in out)
+
+
+# ---- answers only a GPU shows wrong: a tensor made on the CPU -----------------------------------
+
+def columns_picked_by_a_cpu_index(weight, bias, num_heads, rank, world_size):
+    """index_select with an index made by torch.arange, on the CPU: on a GPU it cannot pick
+    from the weight's columns."""
+    if num_heads % world_size:
+        raise ValueError("heads")
+    hidden = weight.shape[1] // 3
+    part = hidden // world_size
+    index = torch.cat([torch.arange(s + rank * part, s + (rank + 1) * part)
+                       for s in (0, hidden, 2 * hidden)])
+    return weight.index_select(1, index), bias.index_select(0, index)
+
+
+class SumIntoCpuZeros(ShardedMLP):
+    """The partial sum gathered into zeros made on the CPU."""
+    def forward(self, x):
+        h = self.act(x @ self.fc_weight + self.fc_bias)
+        partial = torch.zeros(*x.shape[:-1], self.proj_weight.shape[1], dtype=x.dtype)
+        partial += h @ self.proj_weight
+        self.comm.all_reduce(partial)
+        return partial + self.proj_bias
+
+
+def zeros_made_on_the_cpu(ids, weight_shard, start, comm):
+    mine = (ids >= start) & (ids < start + len(weight_shard))
+    local = torch.where(mine, ids - start, torch.zeros(ids.shape, dtype=ids.dtype))
+    rows = weight_shard[local] * mine.unsqueeze(-1).to(weight_shard.dtype)
+    return comm.all_reduce(rows)
+
+
+EXERCISES = [
+    Exercise("split_qkv", check_split_qkv, ("model",), split_qkv,
+             right=[lesson_split_qkv, with_chunks], wrong=QKV_MISTAKES,
+             wrong_on_gpu={columns_picked_by_a_cpu_index: "a tensor made on the CPU met one on "
+                                                          "the GPU"}),
+    Exercise("ShardedMLP", check_sharded_mlp, ("model",), ShardedMLP,
+             right=[LessonMLP, ReturningTheSum], wrong=MLP_MISTAKES,
+             wrong_on_gpu={SumIntoCpuZeros: "a tensor made on the CPU met one on the GPU"}),
+    Exercise("embed_vocab_shard", check_embed_vocab_shard, ("model",), embed_vocab_shard,
+             right=[lesson_embed, with_masked_fill], wrong=EMBED_MISTAKES,
+             wrong_on_gpu={zeros_made_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
+]

@@ -127,16 +127,23 @@ def _execute(nb):
     return nb
 
 
+def _selected(session) -> list[str]:
+    """The lessons whose test this session runs (all of them, or those ``-k`` picks)."""
+    test = "test_a_passing_answer_is_followed_by_the_lessons_own_outputs"
+    return [item.callspec.params["number"] for item in session.items
+            if getattr(item, "originalname", None) == test and hasattr(item, "callspec")]
+
+
 @pytest.fixture(scope="module")
-def answer_runs(bundled):
+def answer_runs(bundled, request):
     """{lesson number: [(injected, executed notebook or the exception), ...]}, two kernels at
-    a time."""
+    a time, for the lessons this session tests."""
     from concurrent.futures import ThreadPoolExecutor
 
     model, tokenizer = bundled
     ctx = {"model": model, "tokenizer": tokenizer, "device": model.device}
     jobs = []
-    for number in NUMBERS:
+    for number in _selected(request.session):
         chosen = _passing(number, ctx)
         for round_ in range(max((len(v) for v in chosen.values()), default=0)):
             injected = {name: picks[round_] for name, picks in chosen.items() if round_ < len(picks)}

@@ -3,14 +3,18 @@ all-reduce, and an embedding split by vocabulary.
 
 Each case runs the learner's code as the lesson does. ``split_qkv`` is compared with
 ``helpers.sharding.split_qkv`` on the bundled model's ``c_attn`` for 1, 2 and 4 ranks, on small
-layers of 6 heads over 3 ranks and in float16, and must refuse a world size that does not
+layers of 6 heads over 3 ranks and in float16, must leave the weight and bias it is given as
+they were (the lesson gives it the model's own), and must refuse a world size that does not
 divide the heads even where it divides the width. ``ShardedMLP`` is built for every rank of 1,
 2 and 4 (the bundled model's first MLP cut by the course's plan), each rank runs ``forward`` in
-a thread of its own with a counting communicator, and every rank's output must equal the whole
-MLP's, after exactly one all-reduce. ``embed_vocab_shard`` runs the same way on the bundled
+a thread of its own with a counting communicator, on a prompt and then on one more token with
+the same layer (as decoding calls it), and every rank's output must equal the whole MLP's, after
+exactly one all-reduce each time. ``embed_vocab_shard`` runs the same way on the bundled
 model's embeddings split 2 and 3 ways (the last share shorter) and a small one split 4 ways,
-with ids at both ends of every share. Results are compared in shape, dtype and device as well
-as in value, on the model's device.
+with ids at both ends of every share; its rows must equal the embedding's exactly (the lesson
+compares them with ``torch.equal``) and the ids it is given must come back unchanged (the
+lesson gives every rank the same tensor). Results are compared in shape, dtype and device as
+well as in value, on the model's device.
 """
 
 from __future__ import annotations
@@ -104,7 +108,13 @@ def _split_qkv_cases(model):
         for label, w, b, h, rank, world in scenarios:
             with cases(f"{label}: split_qkv(weight {tuple(w.shape)}, bias, {h}, {rank}, {world})"):
                 expected_w, expected_b = split_qkv(w, b, h, rank, world)
-                got = learner(w.clone(), b.clone(), h, rank, world)
+                given_w, given_b = w.clone(), b.clone()
+                got = learner(given_w, given_b, h, rank, world)
+                if not (torch.equal(given_w, w) and torch.equal(given_b, b)):
+                    raise Hint("it changed the weight or bias it was given: the lesson passes "
+                               "the model's own c_attn, so the next rank would cut a changed "
+                               "model; cut slices into new tensors (no copy_, slice assignment "
+                               "or *_() on the inputs)")
                 if not isinstance(got, (tuple, list)) or len(got) != 2:
                     raise Hint(f"return two tensors, (weight, bias); got {type(got).__name__}")
                 got_w, got_b = got
@@ -180,14 +190,18 @@ def _mlp_shards(mlp, rank, world_size):
             mlp.c_proj.bias.detach().clone())
 
 
-def _run_mlp(cls, mlp, x, world_size, act):
-    """Every rank's output and its number of all-reduces, one thread per rank."""
+def _run_mlp(cls, mlp, x, world_size, act, step):
+    """Every rank's (output, all-reduces) for ``x``, then the same layer's (output,
+    all-reduces) for ``step``, as a prompt and then a decode step use it; one thread per
+    rank."""
     group = ThreadGroup(world_size, timeout=10)
 
     def rank_forward(rank, comm):
         layer = cls(*_mlp_shards(mlp, rank, world_size), act, comm)
         out = layer(x.clone())
-        return out, comm.counts().calls
+        calls = comm.counts().calls
+        again = layer(step.clone())
+        return out, calls, again, comm.counts().calls - calls
 
     try:
         return run_in_threads(group, rank_forward)
@@ -202,16 +216,17 @@ def _sharded_mlp_cases(model):
         device = mlp.c_fc.weight.device
         generator = torch.Generator().manual_seed(0)
         hidden = model.config.hidden_size
-        scenarios = [("one rank: the whole MLP", 1, (2, 3)), ("2 ranks, a decode step", 2, (1, 1)),
+        scenarios = [("one rank: the whole MLP", 1, (2, 3)), ("2 ranks, one token", 2, (1, 1)),
                      ("2 ranks, 2 prompts of 5 tokens", 2, (2, 5)),
                      ("4 ranks, 3 prompts of 4 tokens", 4, (3, 4))]
         for label, world, (batch, length) in scenarios:
             x = torch.randn(batch, length, hidden, generator=generator).to(device)
-            with cases(f"{label}: x of shape {tuple(x.shape)}"):
+            step = torch.randn(batch, 1, hidden, generator=generator).to(device)
+            with cases(f"{label}: x {tuple(x.shape)}, then a step {tuple(step.shape)}"):
                 with torch.no_grad():
-                    expected = mlp(x)
-                outputs = _run_mlp(learner_class, mlp, x, world, mlp.act)
-                for rank, (out, calls) in enumerate(outputs):
+                    expected, expected_step = mlp(x), mlp(step)
+                outputs = _run_mlp(learner_class, mlp, x, world, mlp.act, step)
+                for rank, (out, calls, again, calls_again) in enumerate(outputs):
                     who = f"rank {rank} of {world}"
                     if calls == 0 and world > 1:
                         raise Hint(f"{who} made no all-reduce, so it holds only its own partial "
@@ -231,6 +246,7 @@ def _sharded_mlp_cases(model):
                                  ": (batch, tokens, hidden), like its input")
                     _same_kind(f"{who}'s output", out, x)
                     if _close(out, expected, 1e-4):
+                        _second_forward(who, again, calls_again, expected_step)
                         continue
                     bias = mlp.c_proj.bias.detach()
                     if _close(out, expected + (world - 1) * bias, 1e-4):
@@ -252,6 +268,22 @@ def _sharded_mlp_cases(model):
     return cases
 
 
+def _second_forward(who, out, calls, expected):
+    """A Hint unless the layer's second forward (a decode step after the prompt) is right
+    too: generation calls every layer once a step."""
+    if calls != 1:
+        raise Hint(f"{who} made {calls} all-reduces in its second forward, expected 1 as in "
+                   f"the first: every forward makes exactly one")
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(expected.shape):
+        raise Hint(f"{who}'s second forward (one new token after the prompt) returned "
+                   f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                   f", expected shape {tuple(expected.shape)}")
+    if not _close(out, expected, 1e-4):
+        raise Hint(f"{who}'s first forward was right, its second (a decode step) differs "
+                   f"{_first_difference(out, expected, 1e-4)}: forward changed the layer's "
+                   f"own tensors (/=, += or *_() on self.proj_bias...); compute into new ones")
+
+
 MLP_CAUSES = {
     "mat1 and mat2": "Conv1D-style weights are (in, out): compute x @ weight, not weight.T",
     "must match the size": "Conv1D-style weights are (in, out): compute x @ weight",
@@ -260,8 +292,9 @@ MLP_CAUSES = {
 
 def check_sharded_mlp(learner_sharded_mlp, model):
     """Lesson 11: check the learner's ``ShardedMLP`` class (its ``forward``) on 1, 2 and 4
-    ranks in threads against the bundled model's whole first MLP, counting each rank's
-    all-reduces; print one line and return the class the rest of the lesson should use."""
+    ranks in threads against the bundled model's whole first MLP, a prompt and then one more
+    token through the same layer, counting each rank's all-reduces; print one line and return
+    the class the rest of the lesson should use."""
     return run_check("ShardedMLP", learner_sharded_mlp, _sharded_mlp_cases(model),
                      fallback=ShardedMLP, kind="class", causes=MLP_CAUSES)
 
@@ -274,8 +307,9 @@ def _run_embedding(learner, ids, shards):
 
     def one(rank, comm):
         weight, start = shards[rank]
-        out = learner(ids.clone(), weight.clone(), start, comm)
-        return out, comm.counts().calls
+        given = ids.clone()
+        out = learner(given, weight.clone(), start, comm)
+        return out, comm.counts().calls, torch.equal(given, ids)
 
     try:
         return run_in_threads(group, one)
@@ -308,9 +342,15 @@ def _embedding_cases(model):
         for label, weight, shards, ids in scenarios:
             with cases(label):
                 expected = weight[ids]
-                for rank, (out, calls) in enumerate(_run_embedding(learner, ids, shards)):
+                for rank, (out, calls, ids_kept) in enumerate(_run_embedding(learner, ids,
+                                                                             shards)):
                     start, rows = shards[rank][1], shards[rank][0].shape[0]
                     who = f"rank {rank} (ids {start} to {start + rows - 1})"
+                    if not ids_kept:
+                        raise Hint(f"{who} changed the ids it was given (ids -= start?): "
+                                   f"the lesson hands every rank the same ids, so the others "
+                                   f"would look up shifted ones; compute ids - start into a "
+                                   f"new tensor")
                     if calls == 0:
                         raise Hint(f"{who} made no all-reduce: each rank holds the rows of its "
                                    f"own ids only; all-reduce the rows it looked up (zeros for "
@@ -323,10 +363,17 @@ def _embedding_cases(model):
                     expect_shape(f"{who}'s result", out, tuple(expected.shape),
                                  ": (ids' shape, hidden)")
                     _same_kind(f"{who}'s result", out, weight)
-                    if torch.allclose(out.double(), expected.double()):
+                    if torch.equal(out, expected):
                         continue
                     wrong = (out.double() - expected.double()).abs().sum(-1) > 0
                     bad_id = int(ids[tuple(wrong.nonzero()[0].tolist())])
+                    if torch.allclose(out.double(), expected.double()):
+                        place = tuple(int(i) for i in (out != expected).nonzero()[0])
+                        raise Hint(f"the row of token id {bad_id} is close but not equal "
+                                   f"(got {out[place].item():.8g}, expected "
+                                   f"{expected[place].item():.8g}): a lookup copies rows "
+                                   f"exactly, and the lesson compares them with torch.equal; "
+                                   f"do no arithmetic on them but the mask")
                     raise Hint(_embedding_hint(weight, shards, ids, out, bad_id))
     return cases
 
