@@ -226,6 +226,13 @@ EXERCISES = [
     Exercise("10", "capture_size", "check_capture_size", (), setup="import torch"),
     Exercise("10", "pad_batch", "check_pad_batch", ("device",), setup="import torch"),
     Exercise("10", "break_even_tokens", "check_break_even", ()),
+    Exercise("10", "replay", "check_replay", (),
+             setup="import torch\nfrom helpers.compilation import capture_size, pad_batch",
+             harmless={
+                 "statements swapped: `graph.token.copy_(pad_batch(token, graph.size, pad_token_id…` "
+                 "-> `graph.position.copy_(position) / graph.token.copy_(pad_batc…`":
+                     INDEPENDENT + " (both copies land before the replay)",
+             }),
     Exercise("11", "split_qkv", "check_split_qkv", ("model",), setup="import torch", harmless={
         "statements swapped: `if num_heads % world_size: / hidden = weight.shape[1] // 3` -> "
         "`hidden = weight.shape[1] // 3 / if num_heads % world_size:`": INDEPENDENT + " (the "
