@@ -646,17 +646,12 @@ def _batching_manager(model, config, token_lists: list[list[int]], max_tokens: l
 def _batching_config(config_class, page: int, sizes: dict, batch_size: int | None):
     """A ``ContinuousBatchingConfig`` with what this installed transformers accepts: its
     fields have changed between 5.x releases (the page size was ``block_size`` before 5.18,
-    ``page_size`` after; ``max_requests_per_batch`` came in 5.11), so the names are read from
-    the class, not assumed."""
+    ``page_size`` after), so the name is read from the class, not assumed."""
     import dataclasses
 
     accepted = {field.name for field in dataclasses.fields(config_class)}
     args = {("page_size" if "page_size" in accepted else "block_size"): page, **sizes}
     if batch_size:
-        if "max_requests_per_batch" not in accepted:
-            import transformers
-            raise ValueError(f"batch_size needs transformers 5.11 or newer (installed: "
-                             f"{transformers.__version__}); leave batch_size=None")
         args["max_requests_per_batch"] = batch_size
     missing = sorted(set(args) - accepted)
     if missing:

@@ -315,8 +315,8 @@ def test_transformers_generate_batch_can_run_past_eos():
 
 
 def test_the_batching_config_takes_the_names_this_transformers_has():
-    """transformers renamed ContinuousBatchingConfig's block_size to page_size in 5.18 and added
-    max_requests_per_batch in 5.11: the config is built from the fields the class has."""
+    """transformers renamed ContinuousBatchingConfig's block_size to page_size in 5.18: the
+    config is built from the fields the class has, and says which one it lacks."""
     import dataclasses
 
     from helpers.batching import _batching_config
@@ -335,18 +335,17 @@ def test_the_batching_config_takes_the_names_this_transformers_has():
         max_batch_tokens: int | None = None
         max_requests_per_batch: int | None = None
 
-    @dataclasses.dataclass
-    class Before511:
-        block_size: int = 256
-        num_blocks: int | None = None
-        max_batch_tokens: int | None = None
-
     sizes = {"num_blocks": 9, "max_batch_tokens": 256}
     assert _batching_config(Before518, 64, sizes, 8) == Before518(64, 9, 256, 8)
     assert _batching_config(From518, 64, sizes, None) == From518(64, 9, 256, None)
-    assert _batching_config(Before511, 64, sizes, None) == Before511(64, 9, 256)
-    with pytest.raises(ValueError, match="batch_size needs transformers 5.11"):
-        _batching_config(Before511, 64, sizes, 8)
+    @dataclasses.dataclass
+    class WithoutBatchCap:
+        page_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+
+    with pytest.raises(RuntimeError, match="has no \\['max_requests_per_batch'\\]"):
+        _batching_config(WithoutBatchCap, 64, sizes, 8)
 
 
 # --- padding arithmetic on hand-made batches -----------------------------------------------
