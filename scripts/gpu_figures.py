@@ -211,7 +211,7 @@ FIGURES = [
     Figure("09", "draft step / model step", "pass_cost_figure(pass_seconds",
            r"draft: 1 token [\d.]+ ms = ([\d.]+)x a model step", _times()),
     Figure("09", "k that pay with the course's draft", "payoff_figure(",
-           r"k that pay with our draft's step: (\[.*\])"),
+           r"k that pay with our draft's step: (\[.*\]|none)"),
     Figure("09", "prompt lookup, a rhyme said again, k = 8", 'bars = {"plain": copy_plain',
            r"lookup, k = 8\s*:\s+\d+ tokens/s = ([\d.]+)x plain", _times()),
     # lesson 10: compilation and CUDA graphs
@@ -238,6 +238,18 @@ FIGURES = [
     Figure("10", "kernel launches, one eager step → one replay", "kernel_launches(",
            r"one eager step: (\d+) launches[\s\S]*?one replayed step: (\d+) launches",
            _pair("", " → "), gpu_only=True),
+    # lesson 11: sharding
+    Figure("11", "2 processes over gloo, the same tokens as lesson 1", "2 processes over {group.backend}",
+           r"2 processes over gloo: the \d+ tokens of all \d+ prompts equal lesson 1's: (\w+)"),
+    Figure("11", "all-reduces and bytes a decode step, batch 1", "course_prompts",
+           r"batch 1: (\d+) all-reduces, ([\d,]+) bytes a decode step", _pair("bytes", ", ")),
+    Figure("11", "a rank's weights and resident memory", "group.memory()",
+           r"rank 0: ([\d.]+) MiB of weights in a process of (\d+) MiB", _pair("MiB", " in ")),
+    Figure("11", "ms a step, 1 process / 2 processes over gloo, batch 1", "load_shard",
+           r"1 process\s+([\d.]+) \([\d.]+\).*\n2 processes \(gloo\)\s+([\d.]+)",
+           _pair("ms")),
+    Figure("11", "one all-reduce of 1,024 bytes", "load_shard",
+           r"one all-reduce of 1,024 bytes alone: ([\d.]+ ms)"),
 ]
 
 #: Topics of the GPU record that quote whole cells: topic -> (lesson, the cells' markers).
