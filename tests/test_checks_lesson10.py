@@ -437,6 +437,35 @@ def assigns_new_buffers(graphs, token, position, pad_token_id):
     return graph.replay()[:token.shape[0]]
 
 
+def gives_the_buffers_new_memory(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.data = pad_batch(token, graph.size, pad_token_id)    # same tensor, new memory
+    graph.position.data = position.clone()
+    return graph.replay()[:token.shape[0]]
+
+
+def sets_the_buffers(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.set_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.set_(position.clone())
+    return graph.replay()[:token.shape[0]]
+
+
+def looks_up_the_default_sizes(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0])]                      # not the graphs' sizes
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def replays_the_cuda_graph_itself(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
+    graph.position.copy_(position)
+    graph.graph.replay()                                               # StepGraph's inside
+    return graph.output[:token.shape[0]]
+
+
 def forgets_the_position(graphs, token, position, pad_token_id):
     graph = graphs[capture_size(token.shape[0], list(graphs))]
     graph.token.copy_(pad_batch(token, graph.size, pad_token_id))
@@ -483,7 +512,11 @@ def returns_a_list(graphs, token, position, pad_token_id):
 
 
 REPLAY_MISTAKES = {
-    assigns_new_buffers: "copy into them",
+    assigns_new_buffers: "copy into its buffers",
+    gives_the_buffers_new_memory: "new memory for it",
+    sets_the_buffers: "new memory for it",
+    looks_up_the_default_sizes: "capture_size(batch, list(graphs))",
+    replays_the_cuda_graph_itself: "stand-in graphs have what a StepGraph offers",
     forgets_the_position: "copy the new one into graph.position",
     forgets_the_tokens: "does not hold the batch's tokens",
     always_the_largest_graph: "smallest size that holds it",

@@ -340,6 +340,12 @@ def float_mask(ids, weight_shard, start, comm):      # a float32 mask makes floa
     return comm.all_reduce(rows)
 
 
+def mask_without_a_hidden_dimension(ids, weight_shard, start, comm):
+    mine = (ids >= start) & (ids < start + len(weight_shard))
+    rows = weight_shard[torch.where(mine, ids - start, 0)]
+    return comm.all_reduce(rows * mine.to(rows.dtype))              # (.., hidden) * (..)
+
+
 def only_this_ranks_rows(ids, weight_shard, start, comm):
     mine = (ids >= start) & (ids < start + len(weight_shard))
     comm.all_reduce(torch.zeros(1))
@@ -366,6 +372,7 @@ EMBED_MISTAKES = {
     reduce_twice: "made 2 all-reduces, expected 1",
     off_by_one: "not <=",
     float_mask: "keep the dtype",
+    mask_without_a_hidden_dimension: "mask.unsqueeze(-1)",
     only_this_ranks_rows: "has shape",
     shifting_ids_in_place: "changed the ids it was given",
     rows_scaled_a_little: "close but not equal",

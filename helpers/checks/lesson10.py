@@ -347,6 +347,14 @@ class _RecordedStep:
         self.output = torch.zeros(size, 1, dtype=torch.long)
         self.replays = 0
         self._recorded = (self.token, self.position, self.output)
+        self._addresses = tuple(t.data_ptr() for t in self._recorded)
+
+    def moved(self) -> bool:
+        """Whether a buffer is no longer the one recorded: another tensor in its place, or the
+        same tensor given other memory (``.data = ...``, ``.set_(...)``)."""
+        now = (self.token, self.position, self.output)
+        return (any(a is not b for a, b in zip(now, self._recorded))
+                or tuple(t.data_ptr() for t in self._recorded) != self._addresses)
 
     def replay(self):
         self.replays += 1
@@ -375,11 +383,11 @@ def _replay_cases(learner, cases):
             expected = replay_step(reference, token, torch.tensor([position]), pad)
             got = learner(graphs, token, torch.tensor([position]), pad)
             size = capture_size(batch, list(graphs))
-            if any(g.token is not g._recorded[0] or g.position is not g._recorded[1]
-                   for g in graphs.values()):
-                raise Hint("a graph reads the tensors it recorded: copy into them "
-                           "(graph.token.copy_(...), graph.position.copy_(...)); assigning a new "
-                           "tensor to graph.token leaves the graph reading the old one")
+            if any(g.moved() for g in graphs.values()):
+                raise Hint("a graph reads the memory it recorded: copy into its buffers "
+                           "(graph.token.copy_(...), graph.position.copy_(...)); a new tensor "
+                           "in graph.token, or new memory for it (.data =, .set_), leaves the "
+                           "graph reading the old one")
             replayed = {s: g.replays for s, g in graphs.items() if g.replays}
             if not replayed:
                 raise Hint("no graph was replayed: after copying the inputs in, call "
@@ -431,4 +439,15 @@ def check_replay(learner_replay):
     the lesson should use."""
     from ..compilation import replay_step
 
-    return run_check("replay", learner_replay, _replay_cases, fallback=replay_step)
+    return run_check("replay", learner_replay, _replay_cases, fallback=replay_step,
+                     causes=_replay_cause)
+
+
+def _replay_cause(error: Exception) -> str | None:
+    if isinstance(error, KeyError):
+        return ("look the graph up by one of the graphs' own sizes: "
+                "capture_size(batch, list(graphs))")
+    if isinstance(error, AttributeError) and "_RecordedStep" in str(error):
+        return ("the check's stand-in graphs have what a StepGraph offers a replay: size, "
+                "token, position and replay(), which returns the output")
+    return None

@@ -415,6 +415,8 @@ EMBEDDING_CAUSES = {
                      "up ids - start, and only for the ids it holds (zeros for the others)",
     "index out of range": "this rank holds only rows start to start + len(weight_shard) - 1: "
                           "look up ids - start, and only for the ids it holds",
+    "must match the size": "the mask has one value a token and the rows one a hidden unit: "
+                           "give it a last dimension (mask.unsqueeze(-1))",
 }
 
 
