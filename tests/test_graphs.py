@@ -64,9 +64,43 @@ def test_sizes_are_checked_sorted_and_capped_by_the_batch():
         parse_sizes("1,two")
     with pytest.raises(ValueError, match="positive integers, got 0"):
         check_sizes((0, 1), 8)
-    with pytest.raises(ValueError, match="no capture size in \\(16, 32\\) is at most "
-                                         "max_batch_size=8"):
+    with pytest.raises(ValueError, match="no capture size in \\(16, 32\\) is at most the "
+                                         "largest batch, 8 \\(--max-batch-size\\)"):
         check_sizes((16, 32), 8)
+    for text in ("0", "-1", "", "1,,2", "+2", "1.5", "\u0663"):       # the last: an Arabic 3
+        with pytest.raises(ValueError, match="--cuda-graph-sizes takes positive whole numbers"):
+            parse_sizes(text)
+
+
+def _server_settings(**changes) -> dict:
+    values = dict(model=None, device="cpu", dtype=None, threads=1, kv_cache="paged",
+                  compile="off", cuda_graphs="auto", adapters_dir=None, model_id="bundled",
+                  max_batch_size=8, max_input_tokens=None, max_total_tokens=None, max_queue=4,
+                  default_max_new_tokens=4)
+    return {**values, **changes}
+
+
+@pytest.mark.parametrize("changes, error", [
+    ({"cuda_graph_sizes": "100000"}, "at most the largest batch, 8"),
+    ({"cuda_graph_sizes": "0"}, "'0' is not one"),
+    ({"cuda_graph_sizes": ""}, "'' is not one"),
+    ({"cuda_graphs": "on"}, "--cuda-graphs on needs a CUDA device; the model would be on cpu"),
+    ({"device": "foo"}, "--device 'foo' is not a device torch knows"),
+    ({"threads": 0}, "--threads must be at least 1"),
+] + ([({"device": "cuda"}, "sees no CUDA device")] if not torch.cuda.is_available() else []))
+def test_the_server_refuses_bad_settings_before_it_loads_the_model(changes, error, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr("helpers.models.load_model", no_loading)
+    with pytest.raises(ValueError, match=error):
+        build_engine(_server_settings(**changes))
+
+
+def test_a_list_of_sizes_becomes_the_flag():
+    from helpers.server.options import command_line
+
+    assert command_line({"cuda_graph_sizes": [1, 2, 4]}) == ["--cuda-graph-sizes", "1,2,4"]
 
 
 def test_start_up_captures_one_graph_per_size_on_the_compiled_step(graphed):
@@ -204,6 +238,11 @@ def test_metrics_show_the_fallbacks_by_reason():
     assert 'helpers_server_cuda_graph_fallbacks{reason="prompt"} 3' in page
     assert "# TYPE helpers_server_cuda_graph_replays counter" in page
     assert "helpers_server_cuda_graph_replays 7" in page
+    assert 'helpers_server_cuda_graph_fallbacks{reason="rows"} 0' in page
+    for snapshot in ({}, {"cuda_graph_fallbacks": {}}):     # graphs off, or none fell back yet
+        page = Metrics().render(snapshot)
+        for reason in ("adapter", "prompt", "rows"):
+            assert f'helpers_server_cuda_graph_fallbacks{{reason="{reason}"}} 0' in page
 
 
 def _slow_starter(tmp_path, script: str) -> BackgroundServer:

@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                   if args.engine == "process" else build_engine(settings))
     except ValueError as err:
         parser.error(str(err))
+    except RuntimeError as err:           # the engine's own log above says where
+        print(f"{parser.prog}: error: the engine could not start: {err}", file=sys.stderr)
+        sys.exit(1)
     app = create_app(engine)
     if guards.is_loopback(args.host):     # only this machine's names (see LoopbackHosts)
         app.add_middleware(guards.LoopbackHosts)

@@ -236,8 +236,8 @@ class PackedStep:
                 self._run(starts, counts, [[block]] * len(counts), [self.pad_id] * sum(counts))
                 startup.report("graph %d of %d compiled in %.1f s", number, len(WARM_UP),
                                time.perf_counter() - began)
-        log.warning("compiled the model's step in %.1f s (%d graphs; --compile off skips it)",
-                    time.perf_counter() - start, self.compiles)
+        startup.report("compiled the model's step in %.1f s (%d graphs; --compile off skips "
+                       "it)", time.perf_counter() - start, self.compiles)
 
     def seal(self) -> None:
         """Start-up is over: from now on a step that would need a graph the warm-up did not

@@ -156,6 +156,26 @@ def torch_threads(requested: int | None, device) -> int | None:
     return 1
 
 
+def _device(name):
+    """The device ``--device`` names (None: CUDA when there is one), checked before anything
+    loads: ValueError for a name torch does not know or a CUDA this machine lacks."""
+    import torch
+
+    from ..models import default_device
+
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:1, "
+                         f"mps, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA "
+                         f"device; leave --device out to use the CPU")
+    return device
+
+
 def build_engine(settings: dict):
     """Load the model and make the engine the settings ask for (not started). ``settings``:
     model, device, dtype, threads, kv_cache, compile, adapters_dir (None: the course's adapters),
@@ -165,7 +185,7 @@ def build_engine(settings: dict):
 
     from ..models import load_model
     from .engine import Engine
-    from .graphs import parse_sizes
+    from .graphs import check_sizes, parse_sizes
     from .options import ENGINE_OPTIONS
     from .paged_engine import PagedEngine
 
@@ -178,11 +198,17 @@ def build_engine(settings: dict):
     if cuda_graphs == "on" and not paged:
         raise ValueError("--cuda-graphs on needs --kv-cache paged: a graph replays on "
                          "lesson 08's pool of KV blocks, whose address never changes")
-    sizes = parse_sizes(settings.get("cuda_graph_sizes") or "1,2,4,8,16,32,64")
+    sizes = parse_sizes(settings.get("cuda_graph_sizes", "1,2,4,8,16,32,64"))
+    check_sizes(sizes, settings["max_batch_size"])       # a typo shows on a CPU too
+    device = _device(settings["device"])                 # refused before the model loads
+    if cuda_graphs == "on" and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs on needs a CUDA device; the model would be on "
+                         f"{device}: use --cuda-graphs auto (on with CUDA, off elsewhere)")
+    threads = torch_threads(settings["threads"], device)
     startup.report("loading the model")
-    model, tokenizer = load_model(settings["model"], device=settings["device"],
-                                  dtype=settings["dtype"])
-    threads = torch_threads(settings["threads"], model.device)
+    began = time.monotonic()
+    model, tokenizer = load_model(settings["model"], device=device, dtype=settings["dtype"])
+    startup.report("model loaded in %.1f s", time.monotonic() - began)
     if threads is not None:
         torch.set_num_threads(threads)
     adapters_dir = settings["adapters_dir"]

@@ -94,24 +94,25 @@ def check_sizes(sizes, max_batch_size: int) -> tuple[int, ...]:
     sizes = tuple(sizes)
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"capture sizes must be positive integers, got {size!r}")
+            raise ValueError(f"capture sizes (--cuda-graph-sizes) must be positive integers, "
+                             f"got {size!r}")
     usable = tuple(sorted({size for size in sizes if size <= max_batch_size}))
     if not usable:
-        raise ValueError(f"no capture size in {sizes} is at most max_batch_size="
-                         f"{max_batch_size}")
+        raise ValueError(f"no capture size in {sizes} is at most the largest batch, "
+                         f"{max_batch_size} (--max-batch-size)")
     return usable
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` (the server's --cuda-graph-sizes) as a tuple of ints; ValueError naming
-    the piece that is not one."""
+    the piece that is not a positive whole number."""
     sizes = []
     for piece in str(text).split(","):
-        try:
-            sizes.append(int(piece))
-        except ValueError:
-            raise ValueError(f"--cuda-graph-sizes takes whole numbers separated by commas "
-                             f"(e.g. 1,2,4,8); {piece.strip()!r} is not one") from None
+        piece = piece.strip()
+        if not (piece.isascii() and piece.isdigit() and int(piece) > 0):
+            raise ValueError(f"--cuda-graph-sizes takes positive whole numbers separated by "
+                             f"commas (e.g. 1,2,4,8); {piece!r} is not one")
+        sizes.append(int(piece))
     return tuple(sizes)
 
 

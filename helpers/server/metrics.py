@@ -54,7 +54,9 @@ ENGINE_METRICS = {
                                   "--compile; lesson 10)."),
     "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up "
                             "(three, and none after)."),
-    "compile_seconds": ("counter", "Seconds spent compiling the model's step."),
+    "compile_seconds": ("counter", "Seconds inductor spent generating code for the model's "
+                                   "step (its backend's share; the start-up lines give the "
+                                   "whole compile, tracing included)."),
     "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
                                   "event (with the engine in a process of its own)."),
     "steps_eager_instead": ("counter", "Steps that needed a graph start-up did not compile "
@@ -72,6 +74,10 @@ ENGINE_METRICS = {
     "cuda_graph_memory_bytes": ("gauge", "GPU memory the graphs reserved when captured."),
     "cuda_graph_capture_seconds": ("counter", "Seconds spent capturing the graphs."),
 }
+
+# Figures counted by a label: every label has a sample from the start (0 until it happens),
+# with or without graphs, so that a dashboard's query finds the series.
+LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows")}
 
 
 def _number(value: float) -> str:
@@ -161,9 +167,11 @@ class Metrics:
             name = PREFIX + key
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
             value = snapshot.get(key, 0)
-            if isinstance(value, dict):       # one sample per reason (a label)
+            if key in LABELS or isinstance(value, dict):      # one sample per reason
+                counts = {**dict.fromkeys(LABELS.get(key, ()), 0),
+                          **(value if isinstance(value, dict) else {})}
                 lines += [f'{name}{{reason="{reason}"}} {_number(count)}'
-                          for reason, count in sorted(value.items())]
+                          for reason, count in sorted(counts.items())]
             else:
                 lines.append(f"{name} {_number(value)}")
         with self._lock:

@@ -122,7 +122,9 @@ def command_line(values: dict) -> list[str]:
         option = _BY_NAME[name]
         if option.type is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name} must be an integer, got {value!r}")
-        if option.type is str:
+        if option.type is str and isinstance(value, (list, tuple)):   # cuda_graph_sizes=[1, 2]
+            value = ",".join(str(v) for v in value)
+        elif option.type is str:
             value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
         if option.choices and value not in option.choices:
             raise ValueError(f"{name} must be one of {', '.join(option.choices)}; got {value!r}")

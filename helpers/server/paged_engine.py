@@ -135,7 +135,10 @@ class PagedEngine(Engine):
                 self.packed.warm_up()
             except Exception as err:
                 if compile == "on":
-                    raise
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    raise RuntimeError(f"compiling the step failed ({type(err).__name__}: "
+                                       f"{first}); --compile auto would serve it eager "
+                                       f"instead") from err
                 self.packed.run_eager(f"compiling failed ({type(err).__name__}: {err})")
         self.graphs = None
         if graphs_wanted:

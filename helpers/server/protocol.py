@@ -633,6 +633,10 @@ def parse_chat(data: Any, model_id: str) -> Call:
     params = _openai_params(request, model_id, max_tokens, top or None)
     messages = [{"role": m.role, "content": _message_text(m, i)}
                 for i, m in enumerate(request.messages)]
+    if not any(m["content"] for m in messages):
+        where = "`messages[0].content`" if len(messages) == 1 else \
+            f"every `content` of the {len(messages)} messages"
+        raise invalid(f"{where} is missing or empty: give the model some text")
     n = _n_of(request.n)
     _sample_if_several(params, request, n)
     check_rows(1, n, n)

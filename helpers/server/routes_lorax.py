@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import guards
 from .contract import TokenEvent
-from .protocol import Call, parse_lorax
+from .protocol import Call, invalid, parse_lorax
 from .serving import Completion, Run, event_stream, pick, read_json, sse
 
 router = APIRouter()
@@ -134,4 +134,8 @@ async def generate(request: Request):
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request):
-    return await stream(request, await parse(request))
+    call = await parse(request)
+    if call.best_of > 1:        # the route streams whatever the body's `stream` says
+        raise invalid("`parameters.best_of` > 1 cannot be streamed (as in LoRAX): use "
+                      "/generate, or best_of 1")
+    return await stream(request, call)
