@@ -157,10 +157,16 @@ def expect_like(what: str, got, expected: torch.Tensor, why: str = "") -> None:
     the lesson's later cells feed it to (the model's embedding wants integer ids, a tensor on
     the CPU cannot meet one on the GPU)."""
     expect_shape(what, got, tuple(expected.shape), why)
-    if got.dtype != expected.dtype:
-        raise Hint(dtype_hint(what, got.dtype, expected.dtype))
-    if got.device != expected.device:
-        raise Hint(device_hint(what, got.device, expected.device))
+    expect_kind(what, got, expected)
+
+
+def expect_kind(what: str, got: torch.Tensor, like: torch.Tensor) -> None:
+    """Raise a Hint unless the tensor ``got`` has ``like``'s dtype and device (its shape may
+    differ: a rank's shard of a weight, say)."""
+    if got.dtype != like.dtype:
+        raise Hint(dtype_hint(what, got.dtype, like.dtype))
+    if got.device != like.device:
+        raise Hint(device_hint(what, got.device, like.device))
 
 
 def expect_tensor(what: str, got, expected: torch.Tensor, atol: float = 0.0,

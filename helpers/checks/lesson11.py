@@ -23,19 +23,9 @@ import torch
 
 from ..sharding import (LeftWaiting, ShardedMLP, ThreadGroup, embed_vocab_shard, run_in_threads,
                         split_columns, split_qkv, split_rows, vocab_shard)
-from .core import Hint, expect_shape, run_check
+from .core import Hint, expect_kind, expect_shape, run_check
 
 __all__ = ["check_embed_vocab_shard", "check_sharded_mlp", "check_split_qkv"]
-
-
-def _same_kind(what: str, got: torch.Tensor, like: torch.Tensor) -> None:
-    """A Hint when ``got`` differs from ``like`` in dtype or device."""
-    if got.dtype != like.dtype:
-        raise Hint(f"{what} is {got.dtype}, expected {like.dtype} like the weights it comes "
-                   f"from: keep the dtype (no .float() or torch.tensor(...) of new values)")
-    if got.device != like.device:
-        raise Hint(f"{what} is on {got.device}, expected {like.device}: keep the tensors on "
-                   f"the device of the weights")
 
 
 def _first_difference(got: torch.Tensor, expected: torch.Tensor, atol: float) -> str:
@@ -139,8 +129,8 @@ def _split_qkv_cases(model):
                                f"columns, to {expected_b.shape[0]}")
                 expect_shape("the bias", got_b, tuple(expected_b.shape),
                              ": 3 × hidden / world_size")
-                _same_kind("the weight", got_w, w)
-                _same_kind("the bias", got_b, b)
+                expect_kind("the weight", got_w, w)
+                expect_kind("the bias", got_b, b)
                 if torch.equal(got_w, expected_w) and torch.equal(got_b, expected_b):
                     continue
                 for (variant_w, variant_b), hint in _qkv_variants(w, b, h, rank, world):
@@ -194,8 +184,6 @@ def _run_mlp(cls, mlp, x, world_size, act, step):
     """Every rank's (output, all-reduces) for ``x``, then the same layer's (output,
     all-reduces) for ``step``, as a prompt and then a decode step use it; one thread per
     rank."""
-    group = ThreadGroup(world_size, timeout=10)
-
     def rank_forward(rank, comm):
         layer = cls(*_mlp_shards(mlp, rank, world_size), act, comm)
         out = layer(x.clone())
@@ -203,11 +191,18 @@ def _run_mlp(cls, mlp, x, world_size, act, step):
         again = layer(step.clone())
         return out, calls, again, comm.counts().calls - calls
 
+    return _on_every_rank(world_size, rank_forward,
+                          "every rank runs the same forward, with one all-reduce each")
+
+
+def _on_every_rank(world_size: int, function, rule: str) -> list:
+    """``function(rank, comm)`` on every rank, one thread each; a Hint ending with ``rule``
+    when a rank waited for ever on an all-reduce the others never made."""
     try:
-        return run_in_threads(group, rank_forward)
+        return run_in_threads(ThreadGroup(world_size, timeout=10), function)
     except LeftWaiting:
-        raise Hint("the ranks made different numbers of all-reduces, so one waited for ever: "
-                   "every rank runs the same forward, with one all-reduce each") from None
+        raise Hint(f"the ranks made different numbers of all-reduces, so one waited for ever: "
+                   f"{rule}") from None
 
 
 def _sharded_mlp_cases(model):
@@ -244,7 +239,7 @@ def _sharded_mlp_cases(model):
                         raise Hint(f"forward should return a tensor, got {type(out).__name__}")
                     expect_shape(f"{who}'s output", out, tuple(x.shape),
                                  ": (batch, tokens, hidden), like its input")
-                    _same_kind(f"{who}'s output", out, x)
+                    expect_kind(f"{who}'s output", out, x)
                     if _close(out, expected, 1e-4):
                         _second_forward(who, again, calls_again, expected_step)
                         continue
@@ -302,20 +297,14 @@ def check_sharded_mlp(learner_sharded_mlp, model):
 # ---- embed_vocab_shard -------------------------------------------------------------------------
 
 def _run_embedding(learner, ids, shards):
-    world = len(shards)
-    group = ThreadGroup(world, timeout=10)
-
     def one(rank, comm):
         weight, start = shards[rank]
         given = ids.clone()
         out = learner(given, weight.clone(), start, comm)
         return out, comm.counts().calls, torch.equal(given, ids)
 
-    try:
-        return run_in_threads(group, one)
-    except LeftWaiting:
-        raise Hint("the ranks made different numbers of all-reduces, so one waited for ever: "
-                   "every rank makes exactly one, whatever ids it holds") from None
+    return _on_every_rank(len(shards), one,
+                          "every rank makes exactly one, whatever ids it holds")
 
 
 def _embedding_cases(model):
@@ -362,7 +351,7 @@ def _embedding_cases(model):
                         raise Hint(f"return a tensor, got {type(out).__name__}")
                     expect_shape(f"{who}'s result", out, tuple(expected.shape),
                                  ": (ids' shape, hidden)")
-                    _same_kind(f"{who}'s result", out, weight)
+                    expect_kind(f"{who}'s result", out, weight)
                     if torch.equal(out, expected):
                         continue
                     wrong = (out.double() - expected.double()).abs().sum(-1) > 0
