@@ -120,6 +120,17 @@ L01_SPEEDUP = "KV cache speed-up, 200 tokens"
 L01_TPOT = "time per output token, without / with the KV cache"
 L01_GROWTH = "decode step without the cache, start → after 200 tokens"
 L01_CACHED = "decode step with the KV cache, start → after 200 tokens"
+L03_SPEEDUP = "continuous / static batching, wall time"
+L03_STEPS = "decode steps, static / continuous"
+L03_EOS = "with EOS: continuous / static, wall time"
+L04_INT8 = "torchao int8 / fp32, time per token"
+L05_TRAINING = "LoRA training, 24 steps (drawing included)"
+L06_LAYER_RATIO = "one LoRA layer, loop / gathered, batch 64"
+L06_MODEL_RATIO = "whole toy model, loop / gathered, batch 64"
+L07_CLIENTS = "server, 16 clients / 1 client, tokens/s"
+L08_FIRST = "chunked prefill, the long prompt's first token, whole prompt → chunks"
+L09_DRAFT = "draft model on stories, best k"
+L09_RHYME = "prompt lookup, a rhyme said again, k = 8"
 L02_BOUNDS = "what bounds the step, batch 1 / batch 128"
 L02_STEP = "time per decode step, batch 1 → 128"
 L02_THROUGHPUT = "throughput, batch 1 → 128"
@@ -177,6 +188,10 @@ def _ratio_largest_at_batch_1(f):
 
 def _replay_a_launch_or_two(f):
     return f(L10_LAUNCHES, 1) <= 2 < 50 <= f(L10_LAUNCHES, 0)
+
+
+def _stand_in_no_faster(f):
+    return f(L10_G1) < 1.1 and f(L10_G64) < 1.1 and f(L10_CG1) < 1.1 * f(L10_SP1)
 
 
 def _pass_nearly_free(f):
@@ -247,14 +262,52 @@ CLAIMS = [
     C("02-summary-throughput", "02", "2945a234", "Batching raises throughput, and latency with it",
       (L02_THROUGHPUT, L02_LATENCY), lambda f: f(L02_THROUGHPUT) > 2 and f(L02_LATENCY) > 1,
       "throughput more than x2 from batch 1 to 128, latency up"),
+    # --- lessons 03 to 05 ---------------------------------------------------------------------
+    C("03-far-fewer-steps", "03", "5c800041", "It needs far fewer decode steps", (L03_STEPS,),
+      lambda f: f(L03_STEPS) > 2, "static takes more than twice the decode steps"),
+    C("03-eos-wins-back-less", "03", "89a767c3", "continuous batching only wins back the steps",
+      (L03_EOS, L03_SPEEDUP), lambda f: f(L03_EOS) < f(L03_SPEEDUP),
+      "with EOS continuous batching gains less than without"),
+    C("03-finishes-sooner-by-the-step-ratio", "03", "840ef52d", "finishes sooner, by about the "
+      "step ratio", (L03_SPEEDUP, L03_STEPS),
+      lambda f: 1 < f(L03_SPEEDUP) and 0.6 < f(L03_SPEEDUP) / f(L03_STEPS) < 1.6,
+      "continuous is faster, by 0.6 to 1.6 times the step ratio"),
+    C("04-int8-not-faster-by-itself", "04", "3c9e7734", "does not make a model faster by itself",
+      (L04_INT8,), lambda f: f(L04_INT8) > 0.95,
+      "torchao's int8 step takes at least 95% of the fp32 step's time"),
+    C("05-adapter-in-seconds", "05", "12213f60", "train an adapter in seconds", (L05_TRAINING,),
+      lambda f: f(L05_TRAINING) < 60, "24 training steps in under a minute"),
     # --- lesson 06 ---------------------------------------------------------------------------
+    C("06-cpu-model-gains-less", "06", "746434c9", "the whole model gains far less from "
+      "gathering than the adapter part alone did", (L06_LAYER_RATIO, L06_MODEL_RATIO),
+      lambda f: f(L06_MODEL_RATIO) < 0.5 * f(L06_LAYER_RATIO),
+      "the whole model's loop/gathered under half the layer's", CPU),
+    C("06-summary-cpu-small-share", "06", "2fe72483", "a small one where the base layers' "
+      "arithmetic dominates", (L06_MODEL_RATIO,), lambda f: f(L06_MODEL_RATIO) < 1.5,
+      "the whole toy model's loop/gathered under 1.5x at batch 64", CPU),
+    C("06-summary-gpu-most-of-the-step", "06", "2fe72483", "most of the loop's step where each "
+      "operation's fixed cost does", (L06_MODEL_RATIO,), lambda f: f(L06_MODEL_RATIO) > 2,
+      "the whole toy model's loop/gathered over 2x at batch 64", GPU),
     C("06-exercise-1-differences", "06", "2fe72483-12", "they come out larger than section 2's",
       (L06_MODEL, L06_LAYER),
       lambda f: (f(L06_MODEL, 0) - f(L06_MODEL, 2) > f(L06_MODEL, 1) - f(L06_MODEL, 2)
                  > f(L06_LAYER, 1)) and f(L06_MODEL, 0) - f(L06_MODEL, 2) > f(L06_LAYER, 0),
       "at batch 64 each whole-model difference exceeds section 2's time, the loop's the larger",
       CPU),
+    # --- lesson 07 ---------------------------------------------------------------------------
+    C("07-clients-share-steps", "07", "5b91a532", "tokens/s climbs with the number of clients, "
+      "but more slowly than the number itself", (L07_CLIENTS,),
+      lambda f: 1 < f(L07_CLIENTS) < 16, "16 clients get between 1 and 16 times one's tokens/s"),
     # --- lesson 08 ---------------------------------------------------------------------------
+    C("08-gpu-ttft-saving-small", "08", "68b72ed6", "so the saving in TTFT is small",
+      (L08_PREFIX,), lambda f: f(L08_PREFIX) < 1.5,
+      "mean TTFT of requests 1-5 less than 1.5x faster with prefix caching", GPU),
+    C("08-cpu-chunks-cut-the-pause", "08", "d4f048ee", "chunks cut the pause a lot", (L08_GAP,),
+      lambda f: f(L08_GAP, 1) < 0.75 * f(L08_GAP, 0), "the worst gap at least 25% shorter",
+      CPU),
+    C("08-long-prompt-pays", "08", "d4f048ee", "its first token comes later", (L08_FIRST,),
+      lambda f: f(L08_FIRST, 1) > f(L08_FIRST, 0), "the long prompt's first token later with "
+      "chunks"),
     C("08-padded-reserves-more", "08", "4c458347", "reserves more than its rows use",
       (L08_RESERVED,), lambda f: f(L08_RESERVED, 0) > f(L08_RESERVED, 1) > 1,
       "padded reserved/used above paged's, both above 1"),
@@ -280,14 +333,24 @@ CLAIMS = [
     C("09-cpu-pass-of-a-few", "09", "8b7f1b88", "each extra row or position adds its arithmetic, "
       "though far less than a step", (L09_PASS,), _pass_less_than_half_a_step_a_token,
       "a 5-token pass between 1x and 3x a 1-token pass", CPU),
+    C("09-lookup-beats-plain-on-a-rhyme", "09", "c13b321f", "beats plain decoding with the same "
+      "text", (L09_RHYME,), lambda f: f(L09_RHYME) > 1.5,
+      "prompt lookup at k = 8 over 1.5x plain greedy on the rhyme"),
+    C("09-thin-margins", "09", "2d8a3fa5-5", "the margins are thin at best", (L09_DRAFT,),
+      lambda f: f(L09_DRAFT, 1) < 1.3, "the draft's best k under 1.3x plain greedy"),
     # --- lesson 10 ---------------------------------------------------------------------------
+    C("10-over-a-hundred-launches", "10", "a010bb22", "makes over a hundred launches",
+      (L10_LAUNCHES,), lambda f: f(L10_LAUNCHES) > 100, "one eager step: over 100 launches",
+      GPU),
+    C("10-cpu-gains-nothing", "10", "e9e3a37a", "gives the same tokens, and gains nothing",
+      (L10_G1, L10_G64, L10_CG1, L10_SP1), _stand_in_no_faster,
+      "graphed rows at most 10% faster than their ungraphed rows, batch 1 and 64", CPU),
     C("10-ratio-falls-with-batch", "10", "c3fafa11", "expect the largest ratio at the smallest "
       "batches", (L10_SP1, L10_SP64), _ratio_largest_at_batch_1,
       "the compiled speed-up at batch 64 is below batch 1's"),
     C("10-cpu-stand-in-no-faster", "10", "e4d6e303", "it comes out no faster than the row above it",
       (L10_G1, L10_G64, L10_CG1, L10_SP1),
-      lambda f: f(L10_G1) < 1.1 and f(L10_G64) < 1.1 and f(L10_CG1) < 1.1 * f(L10_SP1),
-      "graphed rows at most 10% faster than their ungraphed rows, batch 1 and 64", CPU),
+      _stand_in_no_faster, "graphed rows at most 10% faster than their ungraphed rows, batch 1 and 64", CPU),
     C("10-gpu-replay-removes-most", "10", "e4d6e303", "a replay removes most of it at every batch "
       "size, and the compiled step gains again", (L10_G1, L10_G64, L10_CG1, L10_SP1),
       lambda f: f(L10_G1) > 2 and f(L10_G64) > 2 and f(L10_CG1) > f(L10_SP1),
