@@ -57,6 +57,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -576,6 +577,29 @@ def markdown(data: dict) -> str:
               "`python3 scripts/run_lessons_gpu.py --report-from run.tar.gz` writes this file "
               "from them anywhere."]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def server_table(lines: list[str]) -> list[str]:
+    """The README's table of the server check: per number of clients, tokens/s, the median gap
+    between tokens and the median TTFT with CUDA graphs off and on ("(tokens arrive in bursts)"
+    where the median gap is under 0.1 ms: most tokens come several to a read)."""
+    rows = {}
+    for line in lines:
+        found = re.match(r"^\s*(\d+)\s+(off|on)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s*$", line)
+        if found:
+            clients, graphs, *numbers = found.groups()
+            rows.setdefault(int(clients), {})[graphs] = [float(n) for n in numbers]
+    table = ["| clients | tokens/s, graphs off → on | gap between tokens p50, off → on | "
+             "TTFT p50, off → on |", "|---:|---:|---:|---:|"]
+    for clients, row in sorted(rows.items()):
+        if set(row) != {"off", "on"}:
+            continue
+        (tps0, ttft0, gap0), (tps1, ttft1, gap1) = row["off"], row["on"]
+        gap = ("(tokens arrive in bursts)" if min(gap0, gap1) < 0.1
+               else f"{gap0:.2f} → {gap1:.2f} ms")
+        ttft = " → ".join(f"{t:.1f}" if t < 10 else f"{t:.0f}" for t in (ttft0, ttft1))
+        table.append(f"| {clients} | {tps0:,.0f} → {tps1:,.0f} | {gap} | {ttft} ms |")
+    return table
 
 
 def claims_section(entries: list[dict]) -> list[str]:

@@ -466,3 +466,17 @@ def test_workbooks_run_several_at_a_time_each_in_its_own_worker(tmp_path):
     assert records["workbooks/02_b.ipynb"]["detail"] == "cell 0: ZeroDivisionError: division by zero"
     copy = nbformat.read(tmp_path / "out" / "workbooks" / "01_a.ipynb", as_version=4)
     assert copy.cells[0].outputs[0]["text"] == "45\n"
+
+
+def test_the_readme_quotes_the_gpu_records_server_table():
+    """The README's table of the server with CUDA graphs off and on is the one the record's
+    server lines give (after a new GPU run, paste `server_table`'s lines into the README)."""
+    record = json.loads(run_lessons_gpu.RECORD.read_text())
+    table = run_lessons_gpu.server_table(record["server"]["lines"])
+    assert len(table) == 5, table
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "\n".join(table) in readme, "README.md's GPU server table should read:\n" + \
+        "\n".join(table)
+    doctored = [line.replace("      1  on           966", "      1  on           900")
+                for line in record["server"]["lines"]]
+    assert "| 1 | 362 → 900 |" in "\n".join(run_lessons_gpu.server_table(doctored))
