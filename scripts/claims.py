@@ -130,6 +130,7 @@ L06_MODEL_RATIO = "whole toy model, loop / gathered, batch 64"
 L07_CLIENTS = "server, 16 clients / 1 client, tokens/s"
 L08_FIRST = "chunked prefill, the long prompt's first token, whole prompt → chunks"
 L09_DRAFT = "draft model on stories, best k"
+L09_DRAFT_STEP = "draft step / model step"
 L09_RHYME = "prompt lookup, a rhyme said again, k = 8"
 L02_BOUNDS = "what bounds the step, batch 1 / batch 128"
 L02_STEP = "time per decode step, batch 1 → 128"
@@ -192,6 +193,10 @@ def _replay_a_launch_or_two(f):
 
 def _stand_in_no_faster(f):
     return f(L10_G1) < 1.1 and f(L10_G64) < 1.1 and f(L10_CG1) < 1.1 * f(L10_SP1)
+
+
+def _draft_costs_its_operations(f):          # a large part of a model step, not its weights' share
+    return f(L09_DRAFT_STEP) > 0.4
 
 
 def _pass_nearly_free(f):
@@ -333,6 +338,17 @@ CLAIMS = [
     C("09-cpu-pass-of-a-few", "09", "8b7f1b88", "each extra row or position adds its arithmetic, "
       "though far less than a step", (L09_PASS,), _pass_less_than_half_a_step_a_token,
       "a 5-token pass between 1x and 3x a 1-token pass", CPU),
+    C("09-gpu-draft-costs-its-operations", "09", "e5b2bc3a", "a draft step costs what its "
+      "operations cost, not what its weights cost", (L09_DRAFT_STEP,),
+      _draft_costs_its_operations, "a draft step over 0.4 of a model step", GPU),
+    C("09-summary-cpu", "09", "2d8a3fa5-5", "on a CPU a draft step is cheap but a verify pass "
+      "grows with its tokens", (L09_DRAFT_STEP, L09_PASS),
+      lambda f: f(L09_DRAFT_STEP) < 0.5 and f(L09_PASS) > 1.2,
+      "a draft step under half a model step; a 5-token pass over 1.2x a 1-token pass", CPU),
+    C("09-summary-gpu", "09", "2d8a3fa5-5", "on a GPU the pass hardly grows, but a draft step "
+      "costs what its operations cost", (L09_DRAFT_STEP, L09_PASS),
+      lambda f: _pass_nearly_free(f) and _draft_costs_its_operations(f),
+      "a 5-token pass under 1.3x a 1-token pass; a draft step over 0.4 of a model step", GPU),
     C("09-lookup-beats-plain-on-a-rhyme", "09", "c13b321f", "beats plain decoding with the same "
       "text", (L09_RHYME,), lambda f: f(L09_RHYME) > 1.5,
       "prompt lookup at k = 8 over 1.5x plain greedy on the rhyme"),
@@ -426,6 +442,9 @@ CLAIMS = [
     C("guide-09-cpu-pass", GUIDE, "**09 Speculative decoding**", "on a CPU more, but far less "
       "than k + 1 steps", (L09_PASS,), _pass_less_than_half_a_step_a_token,
       "a 5-token pass between 1x and 3x a 1-token pass", CPU),
+    C("guide-09-draft-costs-its-operations", GUIDE, "**09 Speculative decoding**", "a draft "
+      "costs in proportion to its operations", (L09_DRAFT_STEP,), _draft_costs_its_operations,
+      "a draft step over 0.4 of a model step", GPU),
     C("guide-10-launches", GUIDE, "**10 Compilation**", "a CUDA graph replays the whole step with "
       "a launch or two", (L10_LAUNCHES,), _replay_a_launch_or_two,
       "one replay: at most 2 launches; one eager step: at least 50", GPU),
