@@ -270,6 +270,13 @@ CLAIMS = [
     # --- lessons 03 to 05 ---------------------------------------------------------------------
     C("03-far-fewer-steps", "03", "5c800041", "It needs far fewer decode steps", (L03_STEPS,),
       lambda f: f(L03_STEPS) > 2, "static takes more than twice the decode steps"),
+    C("03-gpu-passes-pull-below-the-step-ratio", "03", "5c800041", "the extra passes pull the "
+      "speed-up below the step ratio", (L03_SPEEDUP, L03_STEPS),
+      lambda f: f(L03_SPEEDUP) <= f(L03_STEPS), "continuous / static at most the step ratio",
+      GPU),
+    C("03-cpu-arithmetic-pushes-above", "03", "5c800041", "that pushes the speed-up above the "
+      "step ratio", (L03_SPEEDUP, L03_STEPS), lambda f: f(L03_SPEEDUP) > f(L03_STEPS),
+      "continuous / static above the step ratio", CPU),
     C("03-eos-wins-back-less", "03", "89a767c3", "continuous batching only wins back the steps",
       (L03_EOS, L03_SPEEDUP), lambda f: f(L03_EOS) < f(L03_SPEEDUP),
       "with EOS continuous batching gains less than without"),
