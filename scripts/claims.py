@@ -744,7 +744,7 @@ def main(argv=None) -> int:
         print("\n".join(counts()))
         return 0
     notebooks = committed_notebooks()
-    print(f"committed CPU outputs (lessons/ at {last_change('lessons')}; "
+    print(f"committed CPU outputs (lessons/ last changed in {last_change('lessons')}; "
           f"{'; '.join(versions_of(notebooks))}):")
     cpu = evaluate(figures_of_notebooks(notebooks), "cpu")
     for v in cpu:

@@ -43,7 +43,9 @@ def test_every_claim_finds_its_sentence_and_its_figures(claim):
 @pytest.mark.parametrize("claim", [c for c in claims.CLAIMS if "cpu" in c.records], ids=_ids)
 def test_every_cpu_claim_holds_on_the_committed_outputs(claim):
     verdict = claims.judge(claim, CPU_VALUES, "cpu")
-    assert verdict.status == claims.HOLDS, verdict.line()
+    assert verdict.status == claims.HOLDS, (
+        f"{verdict.line()} [outputs recorded with {'; '.join(claims.versions_of(COMMITTED))}, "
+        f"lessons/ last changed in {claims.last_change('lessons')}]")
 
 
 def test_the_gpu_record_names_its_commit_and_versions_and_no_current_claim_is_false():
