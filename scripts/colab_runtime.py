@@ -14,9 +14,11 @@ torchao 0.10, ipywidgets 7.7.1, IPython 7.34, ...). It
 3. runs every lesson and workbook of the copy in a fresh kernel, JOBS at a time, from its
    first cell (the Colab cell again, which now finds the course installed) to its last. Outputs
    are not compared: a cell that raises fails the notebook. Each notebook's version line (its
-   setup cell's first line) is shown.
+   setup cell's first line) is shown;
+4. judges the course's claims (scripts/claims.py) on the lessons it executed: every sentence
+   that speaks for a laptop's CPU must hold on this run's figures too.
 
-Exits 1 when a notebook failed. Step 2 changes the environment (it installs the course and
+Exits 1 when a notebook failed or a claim does not hold. Step 2 changes the environment (it installs the course and
 upgrades torchao); the next run's step 1 undoes that.
 
     .venv-colab/bin/python scripts/colab_runtime.py [--jobs 2] [NOTEBOOK ...]
@@ -43,6 +45,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import claims  # noqa: E402
+
 SNAPSHOT = Path(sys.prefix) / "as-colab-ships.txt"      # written by make test-colab's build
 COLAB_FOLDER = '"/content/course"'          # the cell's folder, replaced by the copy's
 CELL_TIMEOUT = 900
@@ -145,6 +150,13 @@ def stdout_text(cell) -> str:
                    if o.output_type == "stream" and o.name == "stdout")
 
 
+def claims_failures(executed: dict) -> tuple[list[str], int]:
+    """The claims judged on the lessons this run executed ({"01": notebook, ...}): a line for
+    each that does not hold (the claim, its sentence, the figures), and how many were judged."""
+    verdicts = claims.run_verdicts(executed, "colab")
+    return [v.line() for v in verdicts if v.status != claims.HOLDS], len(verdicts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--jobs", type=int, default=2, help="notebooks run at once (default 2)")
@@ -178,18 +190,20 @@ def main() -> int:
             print("0 passed, 1 failed")
             return 1
 
-        def run(name: Path) -> tuple[Path, bool, str, float, str]:
+        def run(name: Path) -> tuple[Path, bool, str, float, str, nbformat.NotebookNode]:
             nb = point_at(course / name, course)
             start = time.monotonic()
             ok, error = execute(nb, course / name.parent, env)
             code = [c for c in nb.cells if c.cell_type == "code"]
             versions = stdout_text(code[1]).splitlines()[:1] if len(code) > 1 else []
-            return name, ok, error, time.monotonic() - start, (versions or [""])[0]
+            return name, ok, error, time.monotonic() - start, (versions or [""])[0], nb
 
         t0, cpu0 = time.monotonic(), _children_cpu()
-        failed = []
+        failed, executed = [], {}
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for name, ok, error, seconds, versions in pool.map(run, names):
+            for name, ok, error, seconds, versions, nb in pool.map(run, names):
+                if ok and name.parent.name == "lessons":
+                    executed[name.name.split("_", 1)[0]] = nb
                 print(f"{'ok  ' if ok else 'FAIL'} {str(name):42} {seconds:5.0f} s  {versions}"
                       + ("" if ok else f"\n     {error}"), flush=True)
                 if not ok:
@@ -199,7 +213,10 @@ def main() -> int:
         print(f"{len(names)} notebooks in {time.monotonic() - t0:.0f} s, {args.jobs} at a time; "
               f"their kernels used {_children_cpu() - cpu0:.0f} s of CPU")
     print(f"{len(names) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    wrong, judged = claims_failures(executed)
+    print(f"claims: {judged} judged on this run's lessons ({claims.git_commit()}), "
+          f"{len(wrong)} do not hold" + "".join(f"\n  {line}" for line in wrong))
+    return 1 if failed or wrong else 0
 
 
 if __name__ == "__main__":

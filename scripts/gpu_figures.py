@@ -97,7 +97,12 @@ def _speed_up(ms) -> str:
     return f"{ratio}x ({eager} → {compiled} ms)"
 
 
+# lesson 02's sweep: the rows of batch 1, 2 and 8 (tokens/s and TPOT of each)
+_SWEEP_ROW = r"^\s*{b}\s+(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s*$"
+_SWEEP_ROWS = r"[\s\S]*?".join(_SWEEP_ROW.format(b=b) for b in (1, 2, 8))
 _COMPILED_ROW = r"^\s*{b}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x"
+# lesson 11's cost table: a link's row for a number of GPUs and a batch size
+_LINK_ROW = r"^{link}.*?\s{gpus}\s+{batch}\s+([\d.]+)\s+([\d.]+)\s"
 _GRAPH_TABLE = r"^ms per step\s+(?:batch \d+\s*)+\n(?:^\S.*\n?)+"
 
 FIGURES = [
@@ -138,6 +143,10 @@ FIGURES = [
            r"time per decode step x([\d.]+)", _growth),
     Figure("02", "tokens/s at batch 1 / batch 128", "first, last = results[0], results[-1]",
            r"^\s+1\s+(\d+)\s[\s\S]*?^\s*128\s+(\d+)\s", _pair("")),
+    Figure("02", "tokens/s at batch 1 / 2 / 8", "first, last = results[0], results[-1]",
+           _SWEEP_ROWS, lambda ms: " / ".join(ms[0].group(1, 3, 5))),
+    Figure("02", "decode step (TPOT) at batch 1 / 2 / 8", "first, last = results[0], results[-1]",
+           _SWEEP_ROWS, lambda ms: " / ".join(ms[0].group(2, 4, 6)) + " ms"),
     # lesson 03: continuous batching
     Figure("03", "continuous / static batching, wall time",
            "speedup = static_trace.seconds / continuous_trace.seconds",
@@ -173,6 +182,13 @@ FIGURES = [
     Figure("06", "real model, peft / ours, every batch size",
            "for batch, (ours_s, peft_s) in real.items()",
            r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)x\s*$", _range_of_last_column),
+    Figure("06", "one LoRA layer at batch 64: loop / gathered",
+           "for batch, (loop, gathered) in toy.items()",
+           r"^\s*64\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x", _pair("ms")),
+    Figure("06", "whole toy model at batch 64: loop / gathered / no adapters",
+           'loop, gathered, base = t["loop over rows"]',
+           r"^\s*64\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x",
+           lambda ms: " / ".join(ms[0].groups()) + " ms"),
     # lesson 07: serving
     Figure("07", "server, 16 clients / 1 client, tokens/s", "def tokens_per_second(n_clients",
            r"16 clients got ([\d.]+) times the tokens/s of one", _times()),
@@ -186,6 +202,12 @@ FIGURES = [
            r"^\s*100 tokens: TTFT\s+([\d.]+) ms[\s\S]*?^\s*10 tokens: TTFT\s+([\d.]+) ms",
            _pair("ms")),
     # lesson 08: the paged KV cache
+    Figure("08", "KV memory reserved / used over the run, padded; paged",
+           "padded reserves {sum(reserved) / sum(used)",
+           r"padded reserves ([\d.]+)x what is used, paged ([\d.]+)x",
+           lambda ms: f"{ms[0].group(1)}x; {ms[0].group(2)}x"),
+    Figure("08", "requests at once in one KV budget, padded / paged", "paged_fit = max(",
+           r"requests at once: padded (\d+), paged (\d+)", _pair("")),
     Figure("08", "prefix caching, mean TTFT of requests 1–5, without → with",
            "requests 1-5, mean TTFT",
            r"mean TTFT: ([\d.]+) ms without, ([\d.]+) ms with: ([\d.]+)x faster",
@@ -248,8 +270,40 @@ FIGURES = [
     Figure("11", "ms a step, 1 process / 2 processes over gloo, batch 1", "load_shard",
            r"1 process\s+([\d.]+) \([\d.]+\).*\n2 processes \(gloo\)\s+([\d.]+)",
            _pair("ms")),
+    Figure("11", "ms a step, 1 process / 2 processes without all-reduces, batch 1; batch 8",
+           "load_shard",
+           r"^1 process\s+([\d.]+) \([\d.]+\)\s+([\d.]+)[\s\S]*?^2 processes, no all-reduce\s+"
+           r"([\d.]+) \([\d.]+\)\s+([\d.]+)",
+           lambda ms: f"{ms[0].group(1)} / {ms[0].group(3)}; {ms[0].group(2)} / {ms[0].group(4)} ms"),
+    Figure("11", "cost model, NVLink, 2 GPUs, batch 1: weights / all-reduce ms", "LLAMA2_70B_SHAPE, gpus",
+           _LINK_ROW.format(link="NVLink", gpus=2, batch=1), _pair("ms")),
+    Figure("11", "cost model, PCIe, 8 GPUs, batch 64: weights / all-reduce ms", "LLAMA2_70B_SHAPE, gpus",
+           _LINK_ROW.format(link="PCIe", gpus=8, batch=64), _pair("ms")),
+    Figure("11", "cost model, InfiniBand, 8 GPUs, batch 1: weights / all-reduce ms",
+           "LLAMA2_70B_SHAPE, gpus", _LINK_ROW.format(link="InfiniBand", gpus=8, batch=1),
+           _pair("ms")),
+    Figure("11", "cost model, InfiniBand, 8 GPUs, batch 64: weights / all-reduce ms",
+           "LLAMA2_70B_SHAPE, gpus", _LINK_ROW.format(link="InfiniBand", gpus=8, batch=64),
+           _pair("ms")),
     Figure("11", "one all-reduce of 1,024 bytes", "load_shard",
            r"one all-reduce of 1,024 bytes alone: ([\d.]+ ms)"),
+]
+
+#: What the GPU record's server check printed (``benchmarks/gpu_server.py``), read with the same
+#: patterns: the check is no lesson, so these figures have a table of their own, read from a
+#: cell that holds the check's lines (``SERVER_MARKER``).
+SERVER_MARKER = "benchmarks/gpu_server.py"
+SERVER_FIGURES = [
+    Figure("server", "server: mixed steps; captures, start → end; compiles, start → end",
+           SERVER_MARKER, r"(\d+) mixed steps .*captures (\d+) -> (\d+), compiles (\d+) -> (\d+)",
+           lambda ms: "{}; {} → {}; {} → {}".format(*ms[0].groups())),
+    Figure("server", "server: GPU memory in use over the mixed steps, start → end", SERVER_MARKER,
+           r"GPU memory in use ([\d.]+) -> ([\d.]+) MiB", _pair("MiB", " → ")),
+    Figure("server", "server: ms per model step of 1 row, eager / compiled / graph replay",
+           SERVER_MARKER, r"^eager\s+([\d.]+)[\s\S]*?^compiled\s+([\d.]+)[\s\S]*?"
+           r"^graph replay\s+([\d.]+)", lambda ms: " / ".join(ms[0].groups()) + " ms"),
+    Figure("server", "server: one request's tokens equal lesson 01's loop", SERVER_MARKER,
+           r"one request against lesson 01's loop: same tokens: (\w+)"),
 ]
 
 #: Topics of the GPU record that quote whole cells: topic -> (lesson, the cells' markers).

@@ -57,6 +57,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -70,6 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+import claims  # noqa: E402
 import gpu_figures  # noqa: E402
 
 OUT = ROOT / "results" / "gpu"
@@ -158,7 +160,7 @@ def describe_machine() -> dict:
         device = (f"CPU only ({platform.machine()}, {os.cpu_count()} cores): a check of the "
                   f"script, not a GPU run")
     return {"device": device, "cpu_only": not torch.cuda.is_available(),
-            "date": datetime.date.today().isoformat(),
+            "date": datetime.date.today().isoformat(), "commit": claims.git_commit(),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "CUDA": torch.version.cuda or "none",
                          "transformers": _version("transformers"), "peft": _version("peft"),
@@ -403,9 +405,11 @@ def open_results(path: Path, scratch: Path) -> Path:
     raise SystemExit(f"--report-from: no executed notebooks (lessons/, workbooks/) in {path}")
 
 
-def collect(results: Path, lessons: Path = ROOT / "lessons") -> dict:
+def collect(results: Path, lessons: Path = ROOT / "lessons", fresh: bool = False) -> dict:
     """Everything the report says, from a run's folder and the committed lessons: the data of
-    docs/gpu-run.json."""
+    docs/gpu-run.json. ``fresh``: the run has just executed this checkout's lessons, so the
+    claims' verdicts are of the sentences as they are now (else they are compared with the
+    run's commit, and those changed since are stale)."""
     run = {}
     if (results / "run.json").exists():
         run = json.loads((results / "run.json").read_text(encoding="utf-8"))
@@ -466,11 +470,14 @@ def collect(results: Path, lessons: Path = ROOT / "lessons") -> dict:
     else:
         server = {"status": "not run", "error": server.get("skipped", "")}
 
-    return {"device": run.get("device", "unknown device"), "date": run.get("date", "undated"),
+    data = {"device": run.get("device", "unknown device"), "date": run.get("date", "undated"),
+            "commit": run.get("commit", "unknown"),
             "cpu_only": run.get("cpu_only", False), "versions": run.get("versions", {}),
             "command": run.get("command", ""), "budget_seconds": run.get("budget_seconds"),
             "wall_seconds": run.get("wall_seconds"), "jobs": run.get("jobs"),
             "notebooks": rows, "figures": figures, "server": server, "topics": topics}
+    data["claims"] = claims.record_entries(data, fresh=fresh)
+    return data
 
 
 def _cell(value) -> str:
@@ -495,7 +502,7 @@ def markdown(data: dict) -> str:
     if data["cpu_only"]:
         lines += ["", "**Not a GPU run.** This ran on a CPU (`--allow-cpu`) to check the "
                   "script; its figures are no GPU's."]
-    lines += ["", f"- device: {data['device']}"]
+    lines += ["", f"- device: {data['device']}", f"- commit: {data.get('commit', 'unknown')}"]
     if versions:
         lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if data["command"]:
@@ -532,6 +539,7 @@ def markdown(data: dict) -> str:
                   for r in lesson["rows"]]
         lines.append("")
 
+    lines += claims_section(data.get("claims", []))
     server = data["server"]
     lines += ["## The server on this device (`benchmarks/gpu_server.py`)", ""]
     if server["status"] == "ran":
@@ -571,8 +579,56 @@ def markdown(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(results: Path, report: Path, record: Path) -> dict:
-    data = collect(results)
+def server_table(lines: list[str]) -> list[str]:
+    """The README's table of the server check: per number of clients, tokens/s, the median gap
+    between tokens and the median TTFT with CUDA graphs off and on ("(tokens arrive in bursts)"
+    where the median gap is under 0.1 ms: most tokens come several to a read)."""
+    rows = {}
+    for line in lines:
+        found = re.match(r"^\s*(\d+)\s+(off|on)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s*$", line)
+        if found:
+            clients, graphs, *numbers = found.groups()
+            rows.setdefault(int(clients), {})[graphs] = [float(n) for n in numbers]
+    table = ["| clients | tokens/s, graphs off → on | gap between tokens p50, off → on | "
+             "TTFT p50, off → on |", "|---:|---:|---:|---:|"]
+    for clients, row in sorted(rows.items()):
+        if set(row) != {"off", "on"}:
+            continue
+        (tps0, ttft0, gap0), (tps1, ttft1, gap1) = row["off"], row["on"]
+        gap = ("(tokens arrive in bursts)" if min(gap0, gap1) < 0.1
+               else f"{gap0:.2f} → {gap1:.2f} ms")
+        ttft = " → ".join(f"{t:.1f}" if t < 10 else f"{t:.0f}" for t in (ttft0, ttft1))
+        table.append(f"| {clients} | {tps0:,.0f} → {tps1:,.0f} | {gap} | {ttft} ms |")
+    return table
+
+
+def claims_section(entries: list[dict]) -> list[str]:
+    """The claims' verdicts on this run (scripts/claims.py), as a table."""
+    if not entries:
+        return []
+    lines = ["## The course's claims on this run", "",
+             "Each sentence of the lessons, the README and the guide that states an effect on a "
+             "GPU, judged on this run's figures by `scripts/claims.py`. *stale*: the sentence "
+             "changed after this run, so its verdict is of an older sentence; a new run judges "
+             "it.", "", "| claim | where | verdict | figures |", "|---|---|---|---|"]
+    for e in entries:
+        verdict = e["verdict"] + (" (stale)" if e.get("stale") else "")
+        shown = "; ".join(f"{k}: {v}" for k, v in e["figures"].items())
+        lines.append(f"| {e['id']} | {_cell(e['place'])} | {verdict} | {_cell(shown)} |")
+    return lines + [""]
+
+
+def write_claims(report: Path, record: Path) -> dict:
+    """The claims' verdicts written again into an existing record (its figures, its commit)."""
+    data = json.loads(record.read_text(encoding="utf-8"))
+    data["claims"] = claims.record_entries(data, fresh=False)
+    report.write_text(markdown(data), encoding="utf-8")
+    record.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def write_report(results: Path, report: Path, record: Path, fresh: bool = False) -> dict:
+    data = collect(results, fresh=fresh)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(markdown(data), encoding="utf-8")
     record.parent.mkdir(parents=True, exist_ok=True)
@@ -602,6 +658,9 @@ def parse_args(argv):
                     help="also pack the results folder into this .tar.gz (for --report-from)")
     ap.add_argument("--report-from", default=None, metavar="DIR",
                     help="write the report from executed copies in DIR (or a .tar.gz); run nothing")
+    ap.add_argument("--claims", action="store_true",
+                    help="judge the course's claims again on the existing record (--json) and "
+                         "rewrite it and the report; run nothing")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run without a CUDA device, to check this script (the report says so)")
     # what the script's own worker processes run
@@ -626,6 +685,11 @@ def main(argv: list[str]) -> int:
         record = server_check(out, args.server_budget, args.allow_cpu)
         (out / "server-check.json").write_text(json.dumps(record, indent=1, default=str),
                                                encoding="utf-8")
+        return 0
+    if args.claims:
+        data = write_claims(Path(args.report), Path(args.json))
+        stale = sum(e["stale"] for e in data["claims"])
+        print(f"claims: {len(data['claims'])} judged on {args.json}, {stale} stale")
         return 0
     if args.report_from:
         with tempfile.TemporaryDirectory() as scratch:
@@ -680,7 +744,7 @@ def main(argv: list[str]) -> int:
     (out / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n",
                                 encoding="utf-8")
 
-    data = write_report(out, Path(args.report), Path(args.json))
+    data = write_report(out, Path(args.report), Path(args.json), fresh=True)
     if args.archive:
         with tarfile.open(args.archive, "w:gz") as archive:
             archive.add(out, arcname="gpu")

@@ -1,9 +1,11 @@
 """The lessons' prose does not quote figures that change from run to run.
 
 A time, a speed-up or a rate measured by a lesson differs on the next run and on the learner's
-laptop, so the lesson prints it from the run instead of writing it into its markdown. A markdown
-cell whose numbers are fixed facts (a formula's value, a paper's reported figure, a model's size)
-carries the cell tag ``fixed-facts`` and is not read.
+laptop, so the lesson prints it from the run instead of writing it into its markdown. The whole
+course may quote at most ``MAX_FIXED_FACTS`` fixed facts (a paper's reported figure, an assumed
+constant): the cell that quotes one carries the tag ``fixed-facts`` and lists each fact in its
+metadata, ``course.fixed_facts``: ``[{"figures": ["12×", "2 ms"], "source": "..."}]``. Every
+other figure with a unit of time or a ratio in any markdown cell fails.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 LESSONS = sorted((Path(__file__).resolve().parents[1] / "lessons").glob("*.ipynb"))
 
 FIXED_FACTS_TAG = "fixed-facts"
+MAX_FIXED_FACTS = 3
 
 # (not "section 2 times self.scale": a number that names a section, lesson or step)
 _NUMBER = r"(?<![\w.])(?<!section )(?<!lesson )(?<!step )\d+(?:[.,]\d+)?"
@@ -43,17 +46,47 @@ def test_the_pattern_finds_times_and_ratios_but_not_products():
                           "GPT-2 has 124 M parameters, step 5, batch 8") == []
 
 
+def fixed_facts(cell) -> list[dict]:
+    return cell.metadata.get("course", {}).get("fixed_facts", [])
+
+
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem[:2])
 def test_lesson_markdown_quotes_no_run_dependent_figure(lesson):
     nb = nbformat.read(lesson, as_version=4)
     found = []
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "markdown" or FIXED_FACTS_TAG in cell.metadata.get("tags", []):
+        if cell.cell_type != "markdown":
             continue
-        found += [f"cell {index}: {figure!r}" for figure in timing_figures(cell.source)]
+        allowed = [f for fact in fixed_facts(cell) for f in fact.get("figures", [])]
+        found += [f"cell {index} ({cell.get('id')}): {figure!r}"
+                  for figure in timing_figures(cell.source) if figure not in allowed]
     assert not found, (
         f"{lesson.name} writes measured-looking figures by hand ({'; '.join(found)}): print them "
-        f"from the run, or tag the cell {FIXED_FACTS_TAG!r} if they are fixed facts")
+        f"from the run, or, for one of the course's {MAX_FIXED_FACTS} fixed facts, tag the cell "
+        f"{FIXED_FACTS_TAG!r} and list the fact with its source in the cell's metadata "
+        f"(course.fixed_facts)")
+
+
+def test_the_fixed_facts_are_few_tagged_and_sourced():
+    facts, wrong = [], []
+    for lesson in LESSONS:
+        for cell in nbformat.read(lesson, as_version=4).cells:
+            where = f"{lesson.name}, cell {cell.get('id')}"
+            tagged = FIXED_FACTS_TAG in cell.metadata.get("tags", [])
+            if tagged != bool(fixed_facts(cell)):
+                wrong.append(f"{where}: the tag {FIXED_FACTS_TAG!r} and course.fixed_facts go "
+                             "together")
+            for fact in fixed_facts(cell):
+                facts.append(where)
+                if not str(fact.get("source", "")).strip() or not fact.get("figures"):
+                    wrong.append(f"{where}: a fixed fact needs its figures and its source")
+                wrong += [f"{where}: the fixed fact {figure!r} is not in the cell"
+                          for figure in fact.get("figures", [])
+                          if figure not in timing_figures(cell.source)]
+    assert not wrong, "; ".join(wrong)
+    assert len(facts) <= MAX_FIXED_FACTS, (
+        f"{len(facts)} fixed facts ({', '.join(facts)}): the course allows {MAX_FIXED_FACTS}; "
+        "print the others from a run or write them without a figure")
 
 
 def _lesson_times():

@@ -243,6 +243,32 @@ def test_the_report_and_its_json_from_a_made_up_gpu_run(tmp_path):
         "2.11.0+cu130"
 
 
+def test_the_report_judges_the_course_claims_on_the_run_and_names_its_commit(tmp_path):
+    """A fresh run judges every GPU claim on its own figures (scripts/claims.py): lesson 01's
+    made-up 1.3x holds "the ratio stays far below a CPU's", lesson 10's one replay launch
+    holds "a launch or two", lesson 02's failure leaves its claims without evidence; nothing is
+    stale, and every verdict keeps the hash of the sentence it judged."""
+    results = _fake_run(tmp_path / "gpu")
+    run = json.loads((results / "run.json").read_text())
+    (results / "run.json").write_text(json.dumps({**run, "commit": "abc1234"}))
+    report, record = tmp_path / "gpu-run.md", tmp_path / "gpu-run.json"
+    run_lessons_gpu.write_report(results, report, record, fresh=True)
+    text, data = report.read_text(encoding="utf-8"), json.loads(record.read_text())
+    assert "- commit: abc1234" in text and data["commit"] == "abc1234"
+    verdicts = {e["id"]: e for e in data["claims"]}
+    assert verdicts["01-exercise-1-gpu"]["verdict"] == "holds"
+    assert verdicts["10-summary-launches"]["verdict"] == "holds"
+    assert verdicts["02-gpu-extra-row-free"]["verdict"] == "no evidence"
+    assert not any(e["stale"] for e in data["claims"])
+    assert all(e["sentence"] for e in data["claims"])
+    assert "| 10-summary-launches | lessons/10_compilation.ipynb, cell 1f5c14f6 | holds |" in text
+    # the same copies reported later, from an old commit: the sentences changed since are stale
+    run_lessons_gpu.write_report(results, report, record)
+    stale = json.loads(record.read_text())["claims"]
+    assert all(e["stale"] and e["sentence"] is None for e in stale)
+    assert "holds (stale)" in report.read_text(encoding="utf-8")
+
+
 def test_a_server_check_that_failed_or_did_not_run_is_reported(tmp_path):
     results = _fake_run(tmp_path / "gpu")
     run = json.loads((results / "run.json").read_text())
@@ -440,3 +466,17 @@ def test_workbooks_run_several_at_a_time_each_in_its_own_worker(tmp_path):
     assert records["workbooks/02_b.ipynb"]["detail"] == "cell 0: ZeroDivisionError: division by zero"
     copy = nbformat.read(tmp_path / "out" / "workbooks" / "01_a.ipynb", as_version=4)
     assert copy.cells[0].outputs[0]["text"] == "45\n"
+
+
+def test_the_readme_quotes_the_gpu_records_server_table():
+    """The README's table of the server with CUDA graphs off and on is the one the record's
+    server lines give (after a new GPU run, paste `server_table`'s lines into the README)."""
+    record = json.loads(run_lessons_gpu.RECORD.read_text())
+    table = run_lessons_gpu.server_table(record["server"]["lines"])
+    assert len(table) == 5, table
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "\n".join(table) in readme, "README.md's GPU server table should read:\n" + \
+        "\n".join(table)
+    doctored = [line.replace("      1  on           966", "      1  on           900")
+                for line in record["server"]["lines"]]
+    assert "| 1 | 362 → 900 |" in "\n".join(run_lessons_gpu.server_table(doctored))
