@@ -102,3 +102,20 @@ def test_an_unknown_name_gets_one_line_naming_the_exercises(capsys):
     hint("replay", 4)
     said = capsys.readouterr().out
     assert said.count("\n") == 1 and "steps are 1, 2 and 3" in said
+
+
+def test_every_solution_of_the_lessons_has_hints_and_every_workbook_says_how_to_ask():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_workbooks import exercise_names
+
+    found = set()
+    for lesson in sorted((ROOT / "lessons").glob("*.ipynb")):
+        cells = json.loads(lesson.read_text())["cells"]
+        names = [n for c in cells if c["cell_type"] == "code"
+                 for n in exercise_names("".join(c["source"]))]
+        assert all(HINTS[n].lesson == lesson.name[:2] for n in names), lesson.name
+        found |= set(names)
+        first = "".join(json.loads((ROOT / "workbooks" / lesson.name).read_text())
+                        ["cells"][0]["source"])
+        assert f'`hint("{names[0]}")`' in first and "from helpers.checks import hint" in first
+    assert found == set(HINTS)
