@@ -13,6 +13,7 @@
 #   make test-pythons  the unit tests again under Python 3.10 and 3.12 (PYTHON310, PYTHON312)
 #   make test-vllm    lesson 07's openai cells against real vLLM (its CPU build, in .venv-vllm)
 #   make bench-vllm   the course server beside real vLLM: tokens/s and TTFT at 1, 16, 64 clients
+#   make vllm-tp2     real vLLM (CPU build) serving the bundled model on 2 ranks, port 8000
 #   make wheelhouse   every wheel a laptop needs, for a room with no network (PLATFORM=
 #                     linux-x86_64, macos-arm64 or windows-amd64; PYVER=3.11.9)
 
@@ -60,7 +61,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export MPLBACKEND ?= Agg
 
-.PHONY: lab check slides test test-browser test-colab test-gpu test-pythons test-vllm unit nbval bench bench-vllm execute workbooks sync-notebooks images model wheelhouse clean
+.PHONY: lab check slides test test-browser test-colab test-gpu test-pythons test-vllm unit nbval bench bench-vllm vllm-tp2 execute workbooks sync-notebooks images model wheelhouse clean
 
 # Two layers in one .venv: what the lessons need (make lab, make check), then the test tools on
 # top (pytest, nbval, nbconvert, playwright: make test).
@@ -189,6 +190,14 @@ test-vllm: $(STAMP) $(VENV_VLLM)/.installed
 
 bench-vllm: $(STAMP) $(VENV_VLLM)/.installed
 	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m benchmarks.vllm_compare
+
+# Lesson 11, section 7: --tensor-parallel-size 2 on a CPU. Each worker is given a core by hand
+# (VLLM_CPU_OMP_THREADS_BIND): the CPU build's own binding wants a NUMA node per worker and
+# stops with "Not enough allowed NUMA nodes" on a machine that has one. 1 GiB of KV cache.
+vllm-tp2: $(VENV_VLLM)/.installed
+	VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
+	    $(VENV_VLLM)/bin/python -m vllm.entrypoints.openai.api_server --model helpers/assets/model \
+	    --served-model-name bundled --dtype float32 --max-model-len 256 --tensor-parallel-size 2
 
 unit: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider tests --ignore=tests/compat

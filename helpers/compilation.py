@@ -402,6 +402,21 @@ def time_decode(model, prompt_ids: torch.Tensor, batch_sizes, step=None, steps: 
 
 # --- CUDA graphs ---------------------------------------------------------------------------------
 
+def warm_up_on_side_stream(fn, device, runs: int = 2) -> None:
+    """Call ``fn`` ``runs`` times on a CUDA stream of its own before a capture (the handshake
+    ``torch.cuda.graph`` asks for): the first calls of a step allocate (cuBLAS workspaces,
+    lazy initialisations), which must not happen while a graph records. The side stream
+    starts after the work already queued on the current stream, and the current stream's next
+    work waits for it. (Lesson 10.)"""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(runs):
+            fn()
+    current.wait_stream(side)
+
+
 class StepGraph:
     """A decode step recorded once for ``size`` rows and replayed with one launch. (Lesson 10.)
 
@@ -427,18 +442,18 @@ class StepGraph:
         self.cache, _ = static_prefill(model, self.token, max_cache_len)
         self.graph = None
         with torch.no_grad():
-            if device.type == "cuda":
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        step(self.token, self.cache, self.position)
-                torch.cuda.current_stream(device).wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
-                    self.output = step(self.token, self.cache, self.position)
-            else:
-                self.output = step(self.token, self.cache, self.position)
+            self.output = self.capture(pool) if device.type == "cuda" else self.run()
+
+    def run(self) -> torch.Tensor:
+        """The step, on the buffers the graph reads and writes."""
+        return self.step(self.token, self.cache, self.position)
+
+    def capture(self, pool=None) -> torch.Tensor:
+        # Record the step as a CUDA graph; pool: the memory of graphs captured before, to share.
+        warm_up_on_side_stream(self.run, self.token.device)   # the first calls allocate
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):         # launches recorded, not run
+            return self.run()                                 # its output buffer
 
     @property
     def pool(self):
@@ -450,7 +465,7 @@ class StepGraph:
             self.graph.replay()
         else:
             with torch.no_grad():
-                self.output.copy_(self.step(self.token, self.cache, self.position))
+                self.output.copy_(self.run())
         return self.output
 
 

@@ -1,7 +1,8 @@
 """How long each lesson takes: to run (recorded by `make execute`) and, estimated from the
 notebook itself, for a learner to work through (the README's and the guide's minutes).
 
-    python scripts/lesson_times.py
+    python scripts/lesson_times.py            # the table
+    python scripts/lesson_times.py --write    # and the README's and the guide's rows follow it
 
 The learner's minutes add up what a lesson asks of them, counted in the notebook:
 - prose: the words of its markdown at 180 words a minute (a careful reading of technical text;
@@ -65,5 +66,30 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def write() -> None:
+    """Put each lesson's minutes and run seconds into the README's lesson table and the
+    guide's time table (the rows tests/test_lesson_text.py compares with the notebooks)."""
+    readme, guide = ROOT / "README.md", ROOT / "docs" / "instructors.md"
+    texts = {readme: readme.read_text(), guide: guide.read_text()}
+    total = 0
+    for path in sorted((ROOT / "lessons").glob("*.ipynb")):
+        nb = json.loads(path.read_text())
+        minutes = round(learner_minutes(counts(nb)))
+        total += minutes
+        seconds = nb["metadata"]["course"]["execution_seconds"]
+        number = path.name[:2]
+        texts[readme] = re.sub(rf"^(\| {int(number)} \| .*\| )\d+ / \d+ \|$",
+                               rf"\g<1>{minutes} / {round(seconds)} |", texts[readme], flags=re.M)
+        texts[guide] = re.sub(rf"^(\| {number} [^|]+\| )\d+( \| \d × 10 \| )[\d.]+ \|$",
+                              rf"\g<1>{minutes}\g<2>{seconds} |", texts[guide], flags=re.M)
+    for path, text in texts.items():      # the whole course's total, where a text quotes it
+        path.write_text(re.sub(r"\(\d[\d,]* learner minutes, about \d+ hours\)",
+                               f"({total} learner minutes, about {round(total / 60)} hours)", text))
+
+
 if __name__ == "__main__":
+    import sys
+
     print(table())
+    if "--write" in sys.argv[1:]:
+        write()

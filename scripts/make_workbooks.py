@@ -35,8 +35,11 @@ CHECK_CALL = re.compile(r"\bcheck_\w+\(")
 WORKBOOK_NOTE = (
     "**This is the workbook.** Each *Your turn* cell is left for you to write; run the check "
     "under it and it tells you at once whether your code is right. An exercise you skip or get "
-    "wrong does not stop the notebook: the cells after it go on with the course's version. The "
-    "complete lesson, solutions included, is [`lessons/{name}`](../lessons/{name}).")
+    "wrong does not stop the notebook: the cells after it go on with the course's version. "
+    "Stuck? In a new cell, `from helpers.checks import hint`, then `hint(\"{first}\")` (or the name "
+    "of another exercise): the first call gives the idea, the second the tools, the third the "
+    "shape of the answer. The complete lesson, solutions included, is "
+    "[`lessons/{name}`](../lessons/{name}).")
 
 
 def cut_solutions(source: str, where: str) -> tuple[str, int]:
@@ -61,13 +64,26 @@ def cut_solutions(source: str, where: str) -> tuple[str, int]:
     return "\n".join(out), stubs
 
 
+def exercise_names(source: str) -> list[str]:
+    """The function or class each solution of a cell belongs to: the nearest ``def`` or
+    ``class`` above its marker that starts a line (a method's solution belongs to its class)."""
+    names, last = [], None
+    for line in source.split("\n"):
+        top = re.match(r"(?:async\s+)?(?:def|class)\s+(\w+)", line)
+        last = top.group(1) if top else last
+        if line.strip() == BEGIN and last:
+            names.append(last)
+    return names
+
+
 def workbook(lesson: dict, name: str) -> tuple[dict, int]:
     """The workbook of one lesson (a notebook as a dict) and its number of exercises."""
     nb = copy.deepcopy(lesson)
-    cells, exercises = nb["cells"], 0
+    cells, exercises, names = nb["cells"], 0, []
     for i, cell in enumerate(cells):
         source = "".join(cell["source"])
         if cell["cell_type"] == "code":
+            names += exercise_names(source)
             new, stubs = cut_solutions(source, f"{name} cell {i}")
             if stubs:
                 follower = next((c for c in cells[i + 1:] if c["cell_type"] == "code"), None)
@@ -86,7 +102,8 @@ def workbook(lesson: dict, name: str) -> tuple[dict, int]:
     title = cells[0]["source"].split("\n")
     title = [colab_badge(name, folder="workbooks") if "colab-badge.svg" in line else line
              for line in title]
-    cells[0]["source"] = "\n".join(title[:1] + ["", WORKBOOK_NOTE.format(name=name)] + title[1:])
+    note = WORKBOOK_NOTE.format(name=name, first=names[0] if names else "name")
+    cells[0]["source"] = "\n".join(title[:1] + ["", note] + title[1:])
     nb["metadata"].pop("course", None)
     return nb, exercises
 

@@ -239,3 +239,58 @@ def test_figures():
     fig = break_even_figure(30.0, 0.006, 0.003, batch=1)
     assert isinstance(fig, Figure)
     assert isinstance(break_even_figure(30.0, 0.003, 0.006), Figure)   # never pays: no crossing
+
+
+def test_graphed_generation_gives_the_eager_tokens_on_the_cpu_stand_in(bundled):
+    from helpers.compilation import capture_steps, generate_graphed
+
+    model, tokenizer = bundled
+    prompts = course_prompts(tokenizer, n=3, length=6)
+    step = static_decode_step(model)
+    graphs = capture_steps(step, model, (1, 4), max_cache_len=24)
+    assert list(graphs) == [1, 4] and all(g.graph is None for g in graphs.values())
+    graphed = generate_graphed(model, graphs, prompts, 5, tokenizer.pad_token_id)
+    assert torch.equal(graphed, generate_static_cache(model, prompts, 5, step=step))
+
+
+def test_a_capture_warms_up_on_a_side_stream_then_records_once(bundled, monkeypatch):
+    """The order torch.cuda.graph asks for, with stand-ins for CUDA's pieces: the side stream
+    waits for the current one, the step runs twice on it, the current stream waits for it, and
+    the step runs once more inside the capture, with the pool it was given."""
+    from contextlib import contextmanager
+
+    from helpers.compilation import StepGraph
+
+    model, tokenizer = bundled
+    events = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    @contextmanager
+    def on(stream):
+        events.append(f"on {stream.name}")
+        yield
+        events.append(f"off {stream.name}")
+
+    @contextmanager
+    def recording(graph, pool=None):
+        events.append(f"record, pool {pool}")
+        yield
+        events.append("recorded")
+
+    graph = StepGraph(static_decode_step(model), model, 2, max_cache_len=8)
+    monkeypatch.setattr(graph, "step", lambda *args: events.append("step") or args[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "a graph")
+    monkeypatch.setattr(torch.cuda, "graph", recording)
+    output = graph.capture(pool="the pool")
+    assert output is graph.token and graph.graph == "a graph"
+    assert events == ["side waits for current", "on side", "step", "step", "off side",
+                      "current waits for side", "record, pool the pool", "step", "recorded"]

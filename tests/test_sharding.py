@@ -184,6 +184,8 @@ def test_the_plan_lists_every_split_weight_with_its_shape(bundled):
     assert plan["mlp.c_fc.weight"].shard == (256, 512)
     assert plan["mlp.c_proj.weight"].shard == (512, 256)
     assert plan["mlp.c_proj.bias"].kind == "whole"
+    norms = plan["ln_1, ln_2 (weight, bias each)"]       # two norms, each a weight and a bias
+    assert norms.kind == "whole" and norms.whole == norms.shard == (4, 256)
 
 
 def test_the_kv_cache_of_a_rank_holds_its_heads_only(bundled):

@@ -6,10 +6,12 @@
 A check compares the learner's code with the course's on a few cases, edge cases included,
 prints one line (a pass, "not written yet", or the first difference as a hint) and returns
 what the rest of the lesson should use: the learner's code when it passed, the course's
-otherwise. ``core`` holds the machinery; each ``lessonNN`` module holds one lesson's checks.
+otherwise. ``core`` holds the machinery; each ``lessonNN`` module holds one lesson's checks;
+``hints`` gives every exercise's hints on demand, ``hint("replay")``, one step at a time.
 """
 
 from .core import Hint, run_check
+from .hints import hint  # noqa: F401
 from .lesson01 import *  # noqa: F401,F403
 from .lesson02 import *  # noqa: F401,F403
 from .lesson03 import check_filter_batch, check_merge_batches  # noqa: F401

@@ -149,7 +149,8 @@ def gpt2_plan(config, world_size: int) -> list[SplitWeight]:
         SplitWeight("mlp.c_fc.bias", "column", (width,), (width // w,)),
         SplitWeight("mlp.c_proj.weight", "row", (width, hidden), (width // w, hidden)),
         SplitWeight("mlp.c_proj.bias", "whole", (hidden,), (hidden,)),
-        SplitWeight("ln_1, ln_2 (weights and biases)", "whole", (4 * hidden,), (4 * hidden,)),
+        # four vectors as wide as the hidden size, not one norm four times as wide
+        SplitWeight("ln_1, ln_2 (weight, bias each)", "whole", (4, hidden), (4, hidden)),
     ]
 
 
