@@ -402,6 +402,39 @@ def time_decode(model, prompt_ids: torch.Tensor, batch_sizes, step=None, steps: 
 
 # --- CUDA graphs ---------------------------------------------------------------------------------
 
+def rerun_each_replay(body):
+    """A stand-in for a CUDA graph where there is none (a CPU): each "replay" runs ``body``
+    again and writes its result into the same output tensor, as a replay would. Returns
+    ``(replay, output)``."""
+    output = body()
+    return (lambda: output.copy_(body())), output
+
+
+def record(body, device, pool=None):
+    """Record ``body()`` once so that it can be replayed: ``(replay, output, pool)``. One
+    capture for the course: lesson 10's ``StepGraph`` and the server's decode steps
+    (``helpers/server/graphs.py``) both use it. (Lesson 10.)
+
+    On CUDA, a ``torch.cuda.CUDAGraph``: ``body`` runs twice on a side stream first (lazy
+    initialisations, cuBLAS workspaces, a compile), then once more recorded; ``replay()``
+    runs the recorded kernels again on whatever the input buffers hold, overwriting
+    ``output``. ``pool`` is a memory pool shared with other graphs (only one replays at a
+    time, so they may share their intermediate tensors' memory); the graph's own is returned.
+    Elsewhere there is no graph and no launch to save: ``rerun_each_replay`` stands in."""
+    if device.type != "cuda":
+        return (*rerun_each_replay(body), None)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = body()
+    return graph.replay, output, graph.pool()
+
+
 class StepGraph:
     """A decode step recorded once for ``size`` rows and replayed with one launch. (Lesson 10.)
 
@@ -409,12 +442,10 @@ class StepGraph:
     ``StaticCache`` it reads and writes, ``output`` (size, 1) what it writes: the graph
     recorded their addresses, so each step copies its inputs into them (``copy_``) and reads
     the output from there, overwritten at the next replay. ``replay()`` runs the step.
-
-    On CUDA it is a ``torch.cuda.CUDAGraph``: the step runs twice on a side stream first
-    (lazy initialisations, cuBLAS workspaces), then once more recorded. Elsewhere there is no
-    graph and no launch to save: the stand-in calls the step again on the same buffers, so the
-    same code runs, with the same tokens, at no gain. ``pool``: a memory pool to share with
-    other graphs (``capture_steps`` captures the largest first and shares its pool).
+    ``record`` does the recording (on a CPU, its stand-in calls the step again on the same
+    buffers: the same code runs, with the same tokens, at no gain). ``pool``: a memory pool
+    to share with other graphs (``capture_steps`` captures the largest first and shares its
+    pool).
     """
 
     def __init__(self, step, model, size: int, max_cache_len: int, pool=None):
@@ -425,32 +456,14 @@ class StepGraph:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         # The cache's tensors exist once a prompt has been read into it.
         self.cache, _ = static_prefill(model, self.token, max_cache_len)
-        self.graph = None
         with torch.no_grad():
-            if device.type == "cuda":
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        step(self.token, self.cache, self.position)
-                torch.cuda.current_stream(device).wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
-                    self.output = step(self.token, self.cache, self.position)
-            else:
-                self.output = step(self.token, self.cache, self.position)
-
-    @property
-    def pool(self):
-        return self.graph.pool() if self.graph is not None else None
+            self._replay, self.output, self.pool = record(
+                lambda: step(self.token, self.cache, self.position), device, pool)
 
     def replay(self) -> torch.Tensor:
         """Run the recorded step on what the buffers hold now; returns ``output``."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            with torch.no_grad():
-                self.output.copy_(self.step(self.token, self.cache, self.position))
+        with torch.no_grad():
+            self._replay()
         return self.output
 
 

@@ -1,4 +1,4 @@
-"""The paged engine's step: every row's new tokens packed into one sequence, with no
+"""The paged layout's model pass: every row's new tokens packed into one sequence, with no
 padding, and the model compiled with ``torch.compile``. (Lessons 08 and 10.)
 
 A step feeds each running row its new tokens: one for a row that generates, a prompt (or a
@@ -50,11 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..batching import take_token
 from ..paged import KVPool, PagedBatch
-from ..paged.batching import _book
 from . import startup
-from ..paged.batching import _tokens_to_feed as tokens_to_feed
 
 log = logging.getLogger("helpers.server")
 
@@ -185,14 +182,15 @@ def in_place_decode_attention(queries, keys, values, paged: PackedInputs, scalin
 
 
 class PackedStep:
-    """A step of ``PagedEngine`` with no padding: the new tokens of every row (a decode row's
-    one token, a prompt's tokens or a chunk of them) packed into one sequence, its tensors
-    built in a few vectorized operations; compiled once and reused, or eager. (Lessons 08, 10.)
+    """The paged layout's model pass with no padding: the new tokens of every row (a decode
+    row's one token, a prompt's tokens or a chunk of them) packed into one sequence, its
+    tensors built in a few vectorized operations; compiled once and reused, or eager.
+    (Lessons 08, 10.)
 
     ``PackedStep(model, pool, scratch_block, pad_id, compile)``: ``scratch_block`` is a block
     of ``pool`` the block manager never hands out; padding entries read there. ``warm_up()``
-    compiles; ``usable(batch)`` says whether a batch can take this step; ``step(batch, cache,
-    choose, max_prefill_tokens)`` runs it, as lesson 08's ``paged_next_token`` does.
+    compiles; calling it is the model pass of lesson 08's ``paged_next_token`` (its
+    ``forward``); batches with a LoRA row take lesson 08's own pass (``runner.Runner``).
     """
 
     def __init__(self, model, pool: KVPool, scratch_block: int, pad_id: int,
@@ -251,40 +249,20 @@ class PackedStep:
         self.compiled, self._forward = False, self._run_model
         log.warning("%s: running the model's step eager from now on", why)
 
-    def usable(self, batch: PagedBatch) -> bool:
-        """This step takes any batch in which no row uses a LoRA adapter (lesson 06's
-        adapters work per row of a padded batch: those batches take lesson 08's path)."""
-        return len(batch) > 0 and not any(batch.adapters)
+    # --- one pass ---------------------------------------------------------------------------
 
-    # --- one step ---------------------------------------------------------------------------
-
-    def step(self, batch: PagedBatch, cache, choose, max_prefill_tokens: int | None,
-             graph=None) -> None:
-        """``paged_next_token`` with the rows' new tokens packed: which rows feed how many
-        tokens (the prompt budget ``max_prefill_tokens``, as there), room in the pool, the model
-        (compiled or eager), the booking, and ``choose`` (as in ``paged_next_token``) for each
-        row that has read all its tokens. ``graph``: a decode step's CUDA graphs
-        (``graphs.GraphedDecode``), which then run the model in place of ``_run``."""
-        rows, counts = tokens_to_feed(batch, max_prefill_tokens)
-        starts = [batch.computed[row] for row in rows]
-        tables = [cache.manager.grow(batch.request_ids[row], start + new)
-                  for row, start, new in zip(rows, starts, counts)]
+    def __call__(self, batch: PagedBatch, rows: list[int], starts: list[int],
+                 counts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Lesson 08's model pass with the rows' new tokens packed (``paged_next_token``'s
+        ``forward``): row ``rows[i]`` feeds ``counts[i]`` tokens from position ``starts[i]``
+        on, its blocks being ``tables[i]``. Returns each row's last-token logits, (R, 1,
+        vocab)."""
         ids = [token for row, start, new in zip(rows, starts, counts)
                for token in batch.sequence(row)[start:start + new]]
-        if graph is not None:                    # one token a row: replay a captured step
-            logits = graph.run(starts, tables, ids)
-        else:
-            if len(rows) == 1 and counts[0] > 1:     # see _scratch_row
-                self._scratch_row(starts, counts, tables, ids)
-            logits = self._run(starts, counts, tables, ids)
-        for row, new in zip(rows, counts):
-            _book(cache, batch, row, new)
-        ready = [i for i, row in enumerate(rows)     # not in the middle of a longer prompt
-                 if batch.computed[row] == len(batch.sequence(row))]
-        if ready:
-            picked = [rows[i] for i in ready]
-            for row, token in zip(picked, choose(logits[ready], picked)):
-                take_token(batch, row, token, False, None)
+        starts, counts, tables = list(starts), list(counts), list(tables)
+        if len(rows) == 1 and counts[0] > 1:     # see _scratch_row
+            self._scratch_row(starts, counts, tables, ids)
+        return self._run(starts, counts, tables, ids)[:len(rows)]
 
     def _scratch_row(self, starts: list[int], counts: list[int], tables: list[list[int]],
                      ids: list[int]) -> None:
