@@ -507,3 +507,37 @@ def test_prompts_are_tokenized_from_many_threads(engine, reference):
     for thread in threads:
         thread.join()
     assert errors == [] and got == want
+
+
+# --- the admission policy: one option, the same on either KV layout ------------------------
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("admission, first", [("fcfs", "long"), ("shortest", "short")])
+def test_the_admission_policy_picks_who_joins_on_either_layout(kv_cache, admission, first):
+    """One free slot, three waiting requests: first come first served admits the one that
+    came first (the longest prompt), shortest-prompt-first the shortest; the others wait, in
+    the order they came. The policy is one option of the engine, whatever its KV layout."""
+    model, tokenizer = load_model(device="cpu")
+    engine = Engine(model, tokenizer, max_batch_size=1, max_queue=8, kv_cache=kv_cache,
+                    admission=admission)
+    engine._thread = SimpleNamespace(is_alive=lambda: True)   # "running"; we step by hand
+    prompts = {"long": "Once upon a time a small fox lived by the river", "short": "Jack",
+               "middle": "Humpty Dumpty sat"}
+    params = GenerationParams(max_new_tokens=3, ignore_eos_token=True)
+    texts = {}
+    for name, prompt in prompts.items():
+        handle = engine.submit(Submission(params, [prompt]), lambda events: None)
+        texts[handle.prompts[0]] = name
+    with engine._model_lock, torch.inference_mode():
+        engine.step()
+    running = [texts[row.handle.prompts[0]] for row in engine._rows.values()]
+    waiting = [texts[row.handle.prompts[0]] for row in engine._waiting]
+    assert running == [first]
+    assert waiting == [name for name in prompts if name != first]
+    assert engine.info()["admission"] == admission
+
+
+def test_an_unknown_admission_policy_is_refused(reference):
+    model, tokenizer = reference
+    with pytest.raises(ValueError, match="admission must be one of fcfs, shortest, got 'lifo'"):
+        Engine(model, tokenizer, admission="lifo")
