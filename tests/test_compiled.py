@@ -16,8 +16,9 @@ from helpers.lora import ADAPTERS_DIR
 import torch
 
 from helpers.paged import KVPool, PagedForward, paged_attention
-from helpers.server.compiled import (PackedInputs, PackedStep, in_place_decode_attention,
-                                     packed_paged_attention)
+from helpers.paged.attention import (PackedInputs, in_place_decode_attention,
+                                    packed_paged_attention)
+from helpers.server.compiled import PackedStep
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
 from helpers.server.engine import Engine

@@ -44,7 +44,8 @@ import torch
 
 from ..compilation import CAPTURE_SIZES, capture_size, record
 from . import startup
-from .compiled import PackedInputs, PackedStep
+from ..paged.attention import PackedInputs
+from .compiled import PackedStep
 
 #: The columns of one row of the staging buffer: its new token, that token's position, the
 #: pool index its keys and values go to, its history's length; then the L pool indices of
