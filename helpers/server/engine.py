@@ -39,7 +39,6 @@ from collections import Counter, defaultdict, deque
 import torch
 
 from ..batching import model_context
-from ..compilation import CAPTURE_SIZES
 from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore

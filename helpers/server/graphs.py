@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..compilation import CAPTURE_SIZES, capture_size, record
 from . import startup
+
+if TYPE_CHECKING:
+    from .runner import PackedStep
 from ..paged.attention import PackedInputs
-from .compiled import PackedStep
 
 #: The columns of one row of the staging buffer: its new token, that token's position, the
 #: pool index its keys and values go to, its history's length; then the L pool indices of
