@@ -417,19 +417,44 @@ def warm_up_on_side_stream(fn, device, runs: int = 2) -> None:
     current.wait_stream(side)
 
 
+def rerun_each_replay(body):
+    """A stand-in for a CUDA graph where there is none (a CPU): each "replay" runs ``body``
+    again and writes its result into the same output tensor, as a replay would. Returns
+    ``(replay, output)``."""
+    output = body()
+    return (lambda: output.copy_(body())), output
+
+
+def record(body, device, pool=None):
+    """Record ``body()`` as a CUDA graph: ``(replay, output, pool)``. The one capture of the
+    course: lesson 10's ``StepGraph`` and the server's decode steps (``helpers/server/
+    graphs.py``) both use it. (Lesson 10.)
+
+    ``replay()`` runs the recorded kernels again on whatever the input buffers hold, and
+    overwrites ``output``. ``pool``: the memory pool of graphs captured before, to share
+    (only one graph replays at a time, so they may share their intermediate tensors); the
+    graph's own pool is returned. Without CUDA there is no graph and no launch to save:
+    ``rerun_each_replay`` stands in."""
+    if device.type != "cuda":
+        return (*rerun_each_replay(body), None)
+    warm_up_on_side_stream(body, device)             # the first calls allocate
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):         # launches recorded, not run
+        output = body()                              # the graph's output buffer
+    return graph.replay, output, graph.pool()
+
+
 class StepGraph:
-    """A decode step recorded once for ``size`` rows and replayed with one launch. (Lesson 10.)
+    """A decode step recorded once for ``size`` rows and replayed with a launch or two. (Lesson 10.)
 
     ``token`` (size, 1) and ``position`` (1,) are the inputs the graph reads, ``cache`` the
     ``StaticCache`` it reads and writes, ``output`` (size, 1) what it writes: the graph
     recorded their addresses, so each step copies its inputs into them (``copy_``) and reads
     the output from there, overwritten at the next replay. ``replay()`` runs the step.
-
-    On CUDA it is a ``torch.cuda.CUDAGraph``: the step runs twice on a side stream first
-    (lazy initialisations, cuBLAS workspaces), then once more recorded. Elsewhere there is no
-    graph and no launch to save: the stand-in calls the step again on the same buffers, so the
-    same code runs, with the same tokens, at no gain. ``pool``: a memory pool to share with
-    other graphs (``capture_steps`` captures the largest first and shares its pool).
+    ``record`` does the recording (on a CPU, its stand-in calls the step again on the same
+    buffers: the same code runs, with the same tokens, at no gain). ``pool``: a memory pool
+    to share with other graphs (``capture_steps`` captures the largest first and shares its
+    pool).
     """
 
     def __init__(self, step, model, size: int, max_cache_len: int, pool=None):
@@ -440,32 +465,17 @@ class StepGraph:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         # The cache's tensors exist once a prompt has been read into it.
         self.cache, _ = static_prefill(model, self.token, max_cache_len)
-        self.graph = None
         with torch.no_grad():
-            self.output = self.capture(pool) if device.type == "cuda" else self.run()
+            self._replay, self.output, self.pool = record(self.run, device, pool)
 
     def run(self) -> torch.Tensor:
         """The step, on the buffers the graph reads and writes."""
         return self.step(self.token, self.cache, self.position)
 
-    def capture(self, pool=None) -> torch.Tensor:
-        # Record the step as a CUDA graph; pool: the memory of graphs captured before, to share.
-        warm_up_on_side_stream(self.run, self.token.device)   # the first calls allocate
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):         # launches recorded, not run
-            return self.run()                                 # its output buffer
-
-    @property
-    def pool(self):
-        return self.graph.pool() if self.graph is not None else None
-
     def replay(self) -> torch.Tensor:
         """Run the recorded step on what the buffers hold now; returns ``output``."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            with torch.no_grad():
-                self.output.copy_(self.run())
+        with torch.no_grad():
+            self._replay()
         return self.output
 
 

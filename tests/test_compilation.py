@@ -248,7 +248,7 @@ def test_graphed_generation_gives_the_eager_tokens_on_the_cpu_stand_in(bundled):
     prompts = course_prompts(tokenizer, n=3, length=6)
     step = static_decode_step(model)
     graphs = capture_steps(step, model, (1, 4), max_cache_len=24)
-    assert list(graphs) == [1, 4] and all(g.graph is None for g in graphs.values())
+    assert list(graphs) == [1, 4] and all(g.pool is None for g in graphs.values())   # no CUDA
     graphed = generate_graphed(model, graphs, prompts, 5, tokenizer.pad_token_id)
     assert torch.equal(graphed, generate_static_cache(model, prompts, 5, step=step))
 
@@ -256,10 +256,11 @@ def test_graphed_generation_gives_the_eager_tokens_on_the_cpu_stand_in(bundled):
 def test_a_capture_warms_up_on_a_side_stream_then_records_once(bundled, monkeypatch):
     """The order torch.cuda.graph asks for, with stand-ins for CUDA's pieces: the side stream
     waits for the current one, the step runs twice on it, the current stream waits for it, and
-    the step runs once more inside the capture, with the pool it was given."""
+    the step runs once more inside the capture, with the pool it was given; a replay is the
+    graph's."""
     from contextlib import contextmanager
 
-    from helpers.compilation import StepGraph
+    from helpers.compilation import StepGraph, record
 
     model, tokenizer = bundled
     events = []
@@ -270,6 +271,13 @@ def test_a_capture_warms_up_on_a_side_stream_then_records_once(bundled, monkeypa
 
         def wait_stream(self, other):
             events.append(f"{self.name} waits for {other.name}")
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+        def pool(self):
+            return "its pool"
 
     @contextmanager
     def on(stream):
@@ -288,9 +296,11 @@ def test_a_capture_warms_up_on_a_side_stream_then_records_once(bundled, monkeypa
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "a graph")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", recording)
-    output = graph.capture(pool="the pool")
-    assert output is graph.token and graph.graph == "a graph"
+    replay, output, pool = record(graph.run, torch.device("cuda"), pool="the pool")
+    assert output is graph.token and pool == "its pool"
+    replay()
     assert events == ["side waits for current", "on side", "step", "step", "off side",
-                      "current waits for side", "record, pool the pool", "step", "recorded"]
+                      "current waits for side", "record, pool the pool", "step", "recorded",
+                      "replay"]

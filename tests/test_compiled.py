@@ -1,9 +1,9 @@
-"""The packed, compiled step of the paged engine (``helpers.server.compiled``, lesson 10): the
+"""The packed, compiled step of the paged engine (``helpers.server.runner``, lesson 10): the
 same tokens as the eager engines, three graphs compiled at start-up and none after, whatever
 the batch sizes, prompt lengths, chunks and cached prefixes, its attention the same as lesson
 08's, and the rows it cannot take (adapters) going lesson 08's way.
 
-One ``PagedEngine(compile=True)`` serves the module (compiling takes seconds to tens of
+One ``Engine(compile=True)`` (paged, the default layout) serves the module (compiling takes seconds to tens of
 seconds; torch keeps compiled kernels on disk, so a second run is faster).
 """
 
@@ -16,11 +16,12 @@ from helpers.lora import ADAPTERS_DIR
 import torch
 
 from helpers.paged import KVPool, PagedForward, paged_attention
-from helpers.server.compiled import (PackedInputs, PackedStep, in_place_decode_attention,
-                                     packed_paged_attention)
+from helpers.paged.attention import (PackedInputs, in_place_decode_attention,
+                                    packed_paged_attention)
+from helpers.server.runner import PackedStep
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
-from helpers.server.paged_engine import PagedEngine
+from helpers.server.engine import Engine
 
 from .conftest import COURSE_PROMPTS
 from .test_engine import SHARED, expected_ids, run, tokens_of
@@ -38,7 +39,7 @@ def reference():
 @pytest.fixture(scope="module")
 def compiled():
     model, tokenizer = load_model(device="cpu")
-    engine = PagedEngine(model, tokenizer, max_batch_size=8, max_queue=64,
+    engine = Engine(model, tokenizer, max_batch_size=8, max_queue=64,
                          max_prefill_tokens=16, compile=True).start()
     yield engine
     engine.stop()
@@ -92,7 +93,7 @@ def test_ignore_eos_and_sampling_rows_take_the_compiled_step(compiled, reference
                               repetition_penalty=1.3)
     first = tokens_of(run(compiled, [(COURSE_PROMPTS[0], params)])[0])
     model, tokenizer = load_model(device="cpu")
-    eager = PagedEngine(model, tokenizer, max_batch_size=8, compile=False).start()
+    eager = Engine(model, tokenizer, max_batch_size=8, compile=False).start()
     try:
         assert tokens_of(run(eager, [(COURSE_PROMPTS[0], params)])[0]) == first
     finally:
@@ -105,7 +106,7 @@ def test_adapter_rows_run_eager_beside_compiled_ones(compiled, reference):
     eager engine's, and the base rows of later batches take the compiled step again, with the
     graphs of the warm-up."""
     model, tokenizer = load_model(device="cpu")
-    eager = PagedEngine(model, tokenizer, max_batch_size=8, compile=False).start()
+    eager = Engine(model, tokenizer, max_batch_size=8, compile=False).start()
     requests = [(COURSE_PROMPTS[0], GenerationParams(max_new_tokens=12, adapter_id="entities")),
                 (COURSE_PROMPTS[1], GenerationParams(max_new_tokens=12))]
     try:
@@ -141,14 +142,14 @@ def test_a_pool_too_small_for_one_request_is_refused(reference):
     model, tokenizer = reference
     with pytest.raises(ValueError, match=r"num_blocks=2 blocks of 16 tokens cannot hold one "
                                          r"request of max_total_tokens=256: give at least 16"):
-        PagedEngine(model, tokenizer, num_blocks=2)
-    assert PagedEngine(model, tokenizer, num_blocks=16).cache.manager.num_blocks == 16
+        Engine(model, tokenizer, num_blocks=2)
+    assert Engine(model, tokenizer, num_blocks=16).kv.cache.manager.num_blocks == 16
 
 
 def test_after_start_up_a_step_that_needs_a_new_graph_runs_eager(compiled, reference):
     """Nothing compiles after start-up: a step whose inputs the warm-up's graphs do not cover
     (here, token ids of another dtype) runs eager, is counted, and gives the same logits."""
-    step = compiled.packed
+    step = compiled.kv.runner.packed
     assert step.sealed
     before = settled(compiled)
     block = step.scratch // step.pool.block_size
@@ -179,14 +180,14 @@ def test_auto_runs_eager_where_compiling_fails(reference, monkeypatch, caplog):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(PackedStep, "warm_up", fail)
-    engine = PagedEngine(model, tokenizer, max_batch_size=2, compile="auto")
+    engine = Engine(model, tokenizer, max_batch_size=2, compile="auto")
     assert engine.info()["compiled"] is False
     assert "compiling failed (RuntimeError: no C++ compiler found)" in caplog.text
     with pytest.raises(RuntimeError, match=r"compiling the step failed \(RuntimeError: no C\+\+ "
                                            r"compiler found\); --compile auto would serve"):
-        PagedEngine(model, tokenizer, max_batch_size=2, compile="on")
+        Engine(model, tokenizer, max_batch_size=2, compile="on")
     with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off', got 'yes'"):
-        PagedEngine(model, tokenizer, max_batch_size=2, compile="yes")
+        Engine(model, tokenizer, max_batch_size=2, compile="yes")
 
 
 def gqa_pool(heads=4, kv_heads=2, head_dim=8, blocks=8, block_size=4):

@@ -1,9 +1,9 @@
 """The lesson-07 engine without HTTP: its scheduler is lesson 03's code, its token choosers do
 what each setting promises, and one broken row never hurts the others.
 
-Two engines run for this module on their own copies of the bundled model: ``Engine`` (lesson
-03's contiguous cache) and ``PagedEngine`` (lesson 08's paged cache, prefix caching and chunked
-prefill). Requests go in through ``submit`` and their events are read from asyncio queues, as
+Two engines run for this module on their own copies of the bundled model: one on lesson 03's
+contiguous cache and one on lesson 08's paged cache (prefix caching and chunked prefill): the
+same ``Engine`` given another KV layout. Requests go in through ``submit`` and their events are read from asyncio queues, as
 the HTTP side does.
 """
 
@@ -20,14 +20,13 @@ import torch
 from helpers import generate_sequential, load_model
 from helpers.lora import ADAPTERS_DIR
 from helpers.server import admission as admission_module
-from helpers.server import engine as engine_module
+from helpers.server import kv as kv_module
 from helpers.server import sampling
 from helpers.server.contract import (ErrorEvent, GenerationParams, PromptEvent, Submission,
                                      TokenEvent)
 from helpers.server.engine import Engine
 from helpers.server.errors import (GenerationFailed, InvalidRequest, Overloaded, TooLarge,
                                    Unavailable)
-from helpers.server.paged_engine import PagedEngine
 
 from .conftest import COURSE_PROMPTS
 
@@ -47,9 +46,9 @@ def reference():
 
 def _engine(kind: str):
     model, tokenizer = load_model(device="cpu")
-    cls = PagedEngine if kind == "paged" else Engine
     options = {"max_prefill_tokens": 16} if kind == "paged" else {}
-    return cls(model, tokenizer, max_batch_size=4, max_queue=16, **options).start()
+    return Engine(model, tokenizer, max_batch_size=4, max_queue=16, kv_cache=kind,
+                  **options).start()
 
 
 @pytest.fixture(scope="module", params=["contiguous", "paged"])
@@ -128,22 +127,26 @@ def test_greedy_equals_generate_sequential(engine, reference):
         assert text == want
 
 
-def test_the_engine_calls_lessons_functions(monkeypatch, reference):
-    """The contiguous engine's forward passes are helpers.batching.generate_next_token calls."""
+@pytest.mark.parametrize("kind, function", [("contiguous", "generate_next_token"),
+                                             ("paged", "paged_next_token")])
+def test_the_engine_calls_lessons_functions(monkeypatch, reference, kind, function):
+    """Each forward pass of the engine is the lesson's own step: lesson 03's
+    generate_next_token on the contiguous layout, lesson 08's paged_next_token on the paged
+    one (one prefill, then one call per decode step)."""
     calls = []
-    real = engine_module.generate_next_token
+    real = getattr(kv_module, function)
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("logits_to_keep"))
+        calls.append(function)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "generate_next_token", spy)
-    engine = _engine("contiguous")
+    monkeypatch.setattr(kv_module, function, spy)
+    engine = _engine(kind)
     try:
         run(engine, [("Jack and Jill", GenerationParams(max_new_tokens=4, ignore_eos_token=True))])
     finally:
         engine.stop()
-    assert calls == [1, 1, 1, 1]     # one prefill, three decode steps
+    assert calls == [function] * 4     # one prefill, three decode steps
 
 
 def test_ignore_eos_gives_every_token(engine, reference):
@@ -461,7 +464,7 @@ def test_paged_engine_equals_contiguous_with_adapters_and_shared_prefixes():
     try:
         got = {kind: [tokens_of(e) for e in run(engine, requests)]
                for kind, engine in engines.items()}
-        cache = engines["paged"].cache
+        cache = engines["paged"].kv.cache
         assert cache.cached_tokens > 0                # the shared prefix was found
         # Every block is given back once the scheduler has dropped the finished rows (just
         # after it sent their last tokens).
@@ -504,3 +507,37 @@ def test_prompts_are_tokenized_from_many_threads(engine, reference):
     for thread in threads:
         thread.join()
     assert errors == [] and got == want
+
+
+# --- the admission policy: one option, the same on either KV layout ------------------------
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("admission, first", [("fcfs", "long"), ("shortest", "short")])
+def test_the_admission_policy_picks_who_joins_on_either_layout(kv_cache, admission, first):
+    """One free slot, three waiting requests: first come first served admits the one that
+    came first (the longest prompt), shortest-prompt-first the shortest; the others wait, in
+    the order they came. The policy is one option of the engine, whatever its KV layout."""
+    model, tokenizer = load_model(device="cpu")
+    engine = Engine(model, tokenizer, max_batch_size=1, max_queue=8, kv_cache=kv_cache,
+                    admission=admission)
+    engine._thread = SimpleNamespace(is_alive=lambda: True)   # "running"; we step by hand
+    prompts = {"long": "Once upon a time a small fox lived by the river", "short": "Jack",
+               "middle": "Humpty Dumpty sat"}
+    params = GenerationParams(max_new_tokens=3, ignore_eos_token=True)
+    texts = {}
+    for name, prompt in prompts.items():
+        handle = engine.submit(Submission(params, [prompt]), lambda events: None)
+        texts[handle.prompts[0]] = name
+    with engine._model_lock, torch.inference_mode():
+        engine.step()
+    running = [texts[row.handle.prompts[0]] for row in engine._rows.values()]
+    waiting = [texts[row.handle.prompts[0]] for row in engine._waiting]
+    assert running == [first]
+    assert waiting == [name for name in prompts if name != first]
+    assert engine.info()["admission"] == admission
+
+
+def test_an_unknown_admission_policy_is_refused(reference):
+    model, tokenizer = reference
+    with pytest.raises(ValueError, match="admission must be one of fcfs, shortest, got 'lifo'"):
+        Engine(model, tokenizer, admission="lifo")

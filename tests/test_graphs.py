@@ -23,10 +23,10 @@ from helpers.lora import ADAPTERS_DIR
 from helpers.server.background import BackgroundServer
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
-from helpers.server.graphs import (ID, LENGTH, POSITION, READ, WRITE, check_sizes, parse_sizes,
-                                   rerun_each_replay)
+from helpers.compilation import rerun_each_replay
+from helpers.server.graphs import ID, LENGTH, POSITION, READ, WRITE, check_sizes, parse_sizes
 from helpers.server.metrics import Metrics
-from helpers.server.paged_engine import PagedEngine
+from helpers.server.engine import Engine
 
 from .conftest import COURSE_PROMPTS
 from .test_engine import SHARED, expected_ids, run, tokens_of
@@ -45,8 +45,8 @@ def graphed():
     """Compiled, with graphs of 1, 2 and 4 rows (the stand-in capture) and room for 8 rows:
     batches of 5 to 8 rows run without a graph."""
     model, tokenizer = load_model(device="cpu")
-    engine = PagedEngine(model, tokenizer, max_batch_size=8, max_queue=64, compile=True,
-                         cuda_graphs="on", graph_sizes=(4, 1, 2, 64), capture=rerun_each_replay)
+    engine = Engine(model, tokenizer, max_batch_size=8, max_queue=64, compile=True,
+                    cuda_graphs="on", graph_sizes=(4, 1, 2, 64), capture=rerun_each_replay)
     engine.start()
     yield engine
     engine.stop()
@@ -112,14 +112,14 @@ def test_start_up_captures_one_graph_per_size_on_the_compiled_step(graphed):
 
 def test_auto_is_off_without_cuda_and_on_needs_it(reference):
     model, tokenizer = reference
-    engine = PagedEngine(model, tokenizer, max_batch_size=2, cuda_graphs="auto")
-    assert engine.graphs is None and engine.info()["cuda_graph_sizes"] == []
+    engine = Engine(model, tokenizer, max_batch_size=2, cuda_graphs="auto")
+    assert engine.kv.runner.graphs is None and engine.info()["cuda_graph_sizes"] == []
     assert "cuda_graph_captures" not in engine.snapshot()
     with pytest.raises(ValueError, match="cuda_graphs='on' needs a CUDA device; the model is "
                                          "on cpu"):
-        PagedEngine(model, tokenizer, max_batch_size=2, cuda_graphs="on")
+        Engine(model, tokenizer, max_batch_size=2, cuda_graphs="on")
     with pytest.raises(ValueError, match="cuda_graphs must be 'auto', 'on' or 'off'"):
-        PagedEngine(model, tokenizer, max_batch_size=2, cuda_graphs="yes")
+        Engine(model, tokenizer, max_batch_size=2, cuda_graphs="yes")
     settings = dict(model=None, device="cpu", dtype=None, threads=1, kv_cache="contiguous",
                     compile="off", cuda_graphs="on", adapters_dir=None, model_id="bundled",
                     max_batch_size=2, max_input_tokens=None, max_total_tokens=None,
@@ -132,8 +132,8 @@ def test_the_staging_buffer_holds_each_row_then_padding(graphed):
     """Three rows replay the graph of 4: row r's token, position, write index (its block's
     pool entry), history length and read indices (its entries, then the scratch entry); the
     fourth row is padding, which reads and writes the scratch entry only."""
-    graphs, pool = graphed.graphs, graphed.cache.pool
-    size, scratch = pool.block_size, graphed.packed.scratch
+    graphs, pool = graphed.kv.runner.graphs, graphed.kv.cache.pool
+    size, scratch = pool.block_size, graphed.kv.runner.packed.scratch
     tables, starts, ids = [[3], [5, 7], [2]], [4, 17, 0], [11, 12, 13]
     with graphed._model_lock, torch.inference_mode():
         graphs._stage(starts, tables, ids, 4)
@@ -177,7 +177,8 @@ def test_a_replay_pads_to_the_next_size_and_gives_the_steps_logits(graphed):
     """Three rows in a block of their own replay the graph of 4: one padding row (which writes
     to the scratch block, not theirs), one replay, and the logits of the compiled step run
     without a graph."""
-    graphs, packed, manager = graphed.graphs, graphed.packed, graphed.cache.manager
+    runner, manager = graphed.kv.runner, graphed.kv.cache.manager
+    graphs, packed = runner.graphs, runner.packed
     starts, ids = [0, 1, 2], [11, 12, 13]
     with graphed._model_lock, torch.inference_mode():
         manager.allocate("probe", [0, 1, 2], 1)

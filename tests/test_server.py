@@ -810,13 +810,12 @@ def test_paged_engine_metrics_count_prefix_cache_hits(tiny_llama):
     """On the paged KV cache, /metrics counts the prompt tokens looked up in the prefix cache
     and those found: requests that share a long prefix, one after another, make the hit
     counter grow by the prefix's full blocks. The pool's blocks show as gauges."""
-    from helpers.server import create_app
-    from helpers.server.paged_engine import PagedEngine
+    from helpers.server import Engine, create_app
 
     model, tokenizer = tiny_llama
     prefix = "Once upon a time a little fox lived by the river and ran up the hill. " * 3
-    engine = PagedEngine(model, tokenizer, adapters_dir=None, max_batch_size=2,
-                         block_size=16).start()
+    engine = Engine(model, tokenizer, adapters_dir=None, max_batch_size=2,
+                    block_size=16).start()
     app = create_app(engine, manage_engine=False)
 
     async def main():
@@ -853,5 +852,5 @@ def test_paged_engine_metrics_count_prefix_cache_hits(tiny_llama):
     assert queries == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
     assert hits[:2] == [0, 0]                                  # nothing cached yet
     assert hits[2] - hits[1] >= 16 * shared_blocks and hits[3] - hits[2] >= 16 * shared_blocks
-    assert all(page["kv_blocks_total"] == engine.cache.manager.num_blocks for page in pages)
+    assert all(page["kv_blocks_total"] == engine.kv.cache.manager.num_blocks for page in pages)
     assert pages[-1]["kv_blocks_used"] == 0                    # all done: every block free

@@ -181,3 +181,125 @@ def model_uses_paged_attention(model):
         yield model
     finally:
         model.set_attn_implementation(previous)
+
+
+# --- the same attention for a packed pass (the server's step, lessons 08 and 10) -----------
+
+#: The name the packed (and compiled) pass's attention function is registered under.
+COMPILED_ATTENTION = "course_paged_compiled"
+
+
+@dataclass
+class PackedInputs:
+    """What ``packed_paged_attention`` needs for one step. The step's new tokens, every row's
+    one after another with no padding, are T tokens; R rows feed them, Q at most a row; the
+    longest row's history (its new tokens included) is L tokens.
+
+    write_indices: (T,) the pool index each new token's keys and values are written to
+    read_indices:  (R, L) each row's pool indices from position 0 to its last new token, then
+                   the scratch entry as filler up to L (masked out)
+    query_indices: (R, Q) where each row's new tokens are among the T: row r's j-th new token
+                   (a row with fewer than Q repeats its last one; those copies are dropped)
+    output_indices:(T,) where each of the T tokens is among the R * Q outputs
+    mask:          (R, 1, Q, L) True where a row's new token may look: the positions up to its own
+    positions:     (1, T) each new token's position in its row (the model's ``position_ids``)
+    last:          (R,) where each row's last new token is among the T (``logits_to_keep``)
+    """
+
+    pool: KVPool
+    write_indices: torch.Tensor
+    read_indices: torch.Tensor
+    query_indices: torch.Tensor
+    output_indices: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+
+    @classmethod
+    def build(cls, pool: KVPool, scratch: int, tables: list[list[int]], starts: list[int],
+              counts: list[int], device, length: int | None = None) -> "PackedInputs":
+        """Row r already has ``starts[r]`` tokens in its blocks ``tables[r]`` and now feeds
+        ``counts[r]`` new ones (as lesson 08's ``PagedForward.build``); ``scratch`` is the pool
+        index that padding reads. ``length`` fixes L (a CUDA graph's shapes never change);
+        by default L is the longest history."""
+        size = pool.block_size
+        starts, counts = torch.tensor(starts), torch.tensor(counts)
+        ends = starts + counts
+        width = max(len(table) for table in tables)
+        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])
+        # L is at least 2: a history of one token would be a graph of its own.
+        positions = torch.arange(length or max(2, int(ends.max())))
+        read = table[:, (positions // size).clamp(max=width - 1)] * size + positions % size
+        read = torch.where(positions[None, :] < ends[:, None], read, scratch)
+        # Each new token: its row, its position; where it sits among the T and the R * Q.
+        rows = torch.arange(len(counts))
+        width_q = int(counts.max())
+        if width_q == 1:                        # one token a row: token r is row r's
+            row_of, first, j = rows, rows, torch.zeros_like(rows)
+        else:
+            row_of = torch.repeat_interleave(rows, counts)
+            first = torch.cumsum(counts, 0) - counts           # each row's first of the T
+            j = torch.arange(len(row_of)) - first[row_of]      # the token's place in its row
+        token_positions = starts[row_of] + j
+        write = read[row_of, token_positions]
+        queries = first[:, None] + torch.minimum(torch.arange(width_q)[None, :],
+                                                 (counts - 1)[:, None])
+        mask = positions[None, None, :] <= (starts[:, None] + queries - first[:, None])[..., None]
+        return cls(pool, *(tensor.to(device) for tensor in (
+            write, read, queries, row_of * width_q + j, mask[:, None], token_positions[None],
+            first + counts - 1)))
+
+
+def packed_paged_attention(module, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, paged: PackedInputs | None = None, **kwargs):
+    """Lesson 08's ``paged_attention`` for a packed step: the model sees one sequence of T
+    tokens (query, key, value: (1, heads, T, head_dim)), the new tokens of every row. Each
+    token's keys and values go to the pool (``index_copy_``, which a compiler can trace); then
+    the queries are regrouped by row, (R, heads, Q, head_dim), attend over their row's history,
+    and go back to the order of the T tokens. Returns (1, T, heads, head_dim), as
+    transformers expects.
+    """
+    keys, values = paged.pool.keys[module.layer_idx], paged.pool.values[module.layer_idx]
+    at = paged.write_indices
+    keys.index_copy_(0, at, key[0].transpose(0, 1).to(keys.dtype))
+    values.index_copy_(0, at, value[0].transpose(0, 1).to(values.dtype))
+    rows, width = paged.query_indices.shape
+    heads, head_dim = query.shape[1], query.shape[3]
+    tokens = query[0].transpose(0, 1)                              # (T, heads, head_dim)
+    if width == 1 and torch.compiler.is_compiling():
+        # A compiled decode step: row r's one token is token r. Written as sums over the
+        # pool's entries, inductor reads them in place (no copy of each row's history).
+        return in_place_decode_attention(tokens, keys, values, paged, scaling).unsqueeze(0), None
+    # Each row's history, (R, kv_heads, L, head_dim): lesson 08's gather.
+    row_keys, row_values = paged.pool.gather(module.layer_idx, paged.read_indices)
+    row_keys, row_values = row_keys.to(query.dtype), row_values.to(query.dtype)
+    if width == 1:               # a decode step: row r's one token is token r, nothing to move
+        by_row = tokens.unsqueeze(2)
+    else:
+        by_row = (tokens.index_select(0, paged.query_indices.reshape(-1))
+                  .view(rows, width, heads, head_dim).transpose(1, 2))
+    output = F.scaled_dot_product_attention(by_row, row_keys, row_values, attn_mask=paged.mask,
+                                            scale=scaling, enable_gqa=True)
+    output = output.transpose(1, 2).reshape(rows * width, heads, head_dim)
+    if width > 1:
+        output = output.index_select(0, paged.output_indices)
+    return output.unsqueeze(0), None
+
+
+def in_place_decode_attention(queries, keys, values, paged: PackedInputs, scaling=None):
+    """Attention for a decode step, one query a row, written for inductor: the scores are a
+    sum over head_dim of the row's query times each key it reads, the output a sum over the
+    history of the weights times the values. Eager, ``keys[read]`` would copy every row's
+    history; compiled, inductor makes each sum one loop that reads the pool's entries where
+    they are (what vLLM's PagedAttention kernel does by hand). queries: (R, heads, head_dim);
+    keys, values: a layer's pool. Returns (R, heads, head_dim). GQA: kv_heads may divide heads.
+    """
+    rows, heads, head_dim = queries.shape
+    read = paged.read_indices                                          # (R, L)
+    grouped = queries.view(rows, keys.shape[1], -1, head_dim)          # (R, kv_heads, g, D)
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    scores = (keys[read].to(queries.dtype)[:, :, :, None] * grouped[:, None]).sum(-1) * scale
+    visible = paged.mask[:, 0, 0, :, None, None]                       # (R, L, 1, 1)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=1)
+    output = (weights[..., None] * values[read].to(queries.dtype)[:, :, :, None]).sum(1)
+    return output.reshape(rows, heads, head_dim)

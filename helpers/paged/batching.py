@@ -40,7 +40,7 @@ class PagedKVCache:
     prefix_caching:         new requests reuse cached blocks of their prompt's prefix
     spare_blocks:           blocks of the pool beyond ``num_blocks`` that the block manager
                             never hands out (the compiled step of the server writes padding
-                            there: ``helpers.server.compiled``)
+                            there: ``helpers.server.runner``)
 
     Counters (since creation): ``prefill_tokens`` prompt tokens the model computed,
     ``cached_tokens`` prompt tokens found in the cache instead; ``manager.hit_blocks`` and
@@ -151,7 +151,7 @@ def paged_batch_from_token_ids(cache: PagedKVCache, token_lists: list[list[int]]
 @torch.no_grad()
 def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
                      stop_at_eos: bool = True, max_prefill_tokens: int | None = None,
-                     lora=None, *, choose=None) -> PagedBatch:
+                     lora=None, *, choose=None, forward=None) -> PagedBatch:
     """Feed every running row its pending tokens, once through the model; a row that has read
     all of them gets its next greedy token. (Lesson 08.)
 
@@ -161,7 +161,10 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
     applies each row's adapter. Same stopping rule as ``helpers.generate_next_token``. Updates
     ``batch`` in place and returns it. ``choose(logits, rows)`` replaces the greedy choice
     (as in ``generate_next_token``): the last-position logits (len(rows), 1, vocab) of the
-    batch ``rows`` that caught up, one token id per row back.
+    batch ``rows`` that caught up, one token id per row back. ``forward(batch, rows, starts,
+    new_counts, tables)`` replaces the model pass below (the server's runner: the same pass
+    packed without padding, compiled, or replayed as a CUDA graph, lesson 10); it returns
+    the logits of each row's last new token, (len(rows), 1, vocab).
     """
     if len(batch) == 0:
         raise ValueError("the batch is empty: there is nothing to generate")
@@ -172,9 +175,12 @@ def paged_next_token(model, tokenizer, cache: PagedKVCache, batch: PagedBatch,
     starts = [batch.computed[row] for row in rows]
     tables = [cache.manager.grow(batch.request_ids[row], start + new)
               for row, start, new in zip(rows, starts, new_counts)]
-    paged = PagedForward.build(cache.pool, tables, starts, new_counts, model.device)
     # 3. One forward pass over the new tokens of those rows.
-    logits = _forward(model, tokenizer, batch, rows, starts, new_counts, paged, lora)
+    if forward is None:
+        paged = PagedForward.build(cache.pool, tables, starts, new_counts, model.device)
+        logits = _forward(model, tokenizer, batch, rows, starts, new_counts, paged, lora)
+    else:
+        logits = forward(batch, rows, starts, new_counts, tables)
     # 4. Book the written tokens; rows that caught up take their token (lesson 03's rule).
     for row, new in zip(rows, new_counts):
         _book(cache, batch, row, new)

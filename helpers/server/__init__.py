@@ -22,10 +22,12 @@ error mapping, /health, /info, /metrics), ``contract`` (what the HTTP side and t
 ``GenerationParams`` and its one check, ``Submission``, ``Handle``, the events, the
 ``EngineClient`` interface); on the engine's side ``admission`` (tokens, limits, adapter and
 grammar for each submission), ``tokens`` (client text never becomes a special token; chat
-templates), ``engine`` (one ``Request`` per sequence and the scheduler that owns the model;
-``paged_engine`` the same on lesson 08's paged KV cache), ``engine_process`` (either engine in
-a process of its own, supervised: the default), ``sampling`` (how a row's next token is
-chosen), ``detok`` (tokens to text as they come), ``grammar`` (grammars to token masks),
+templates), ``engine`` (one ``Sequence`` per generated sequence and the scheduler turn that
+owns the model), ``scheduling`` (the admission policy), ``kv`` (the KV layouts it is given:
+lesson 03's padded batch or lesson 08's paged cache), ``runner``, ``compiled`` and ``graphs``
+(how a paged pass runs: eager, compiled, CUDA graphs), ``engine_process`` (the engine in a
+process of its own, supervised: the default), ``choosing`` and ``sampling`` (how a row's next
+token is chosen), ``detok`` (tokens to text as they come), ``grammar`` (grammars to token masks),
 ``adapters`` (adapter names to loaded adapters), ``errors`` (the engine's own errors); and
 ``guards`` (the HTTP door: body size, content type, JSON, slow or vanished clients),
 ``metrics`` (Prometheus' text format), ``background`` (start/stop from Python), ``options``

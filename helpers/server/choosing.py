@@ -32,15 +32,14 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits, outgoing, score=False)``: each row's next token by its own
-    rules, the list given back to lesson 03's ``generate_next_token`` (or lesson 08's
-    ``paged_next_token``) as its ``choose``. (Lesson 07.)
+    """``chooser(rows, logits, outgoing)``: each row's next token by its own rules, the list
+    given back to lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``)
+    as its ``choose``. (Lesson 07.)
 
-    rows:     the requests, one per row of ``logits``
+    rows:     the sequences, one per row of ``logits``
     logits:   (rows, positions, vocab); the last position is the one to choose from
-    outgoing: where the prompt events go (the token events come from ``Request.accept``)
-    score:    the forward pass kept every position, to score the prompts (a one-token prompt
-              has one position and is scored too)
+    outgoing: where ``score_prompt`` puts the prompt events (the token events come from
+              ``Sequence.accept``)
     """
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
@@ -48,12 +47,7 @@ class TokenChooser:
         self.eos_id = eos_id
         self.pad_id = pad_id
 
-    def __call__(self, rows: list, logits: torch.Tensor, outgoing: list,
-                 score: bool = False) -> list[int]:
-        if score:
-            for i, row in enumerate(rows):
-                # The prompt sits in the last columns (padding is on the left).
-                guarded(row, self.score_prompt, row, logits[i, -len(row.prompt_ids):], outgoing)
+    def __call__(self, rows: list, logits: torch.Tensor, outgoing: list) -> list[int]:
         last = logits[:, -1, :].float()
         if any(row.adjusts_logits for row in rows):
             last = last.clone()

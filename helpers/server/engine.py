@@ -1,33 +1,25 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-The engine is read top to bottom in four parts:
+It is read top to bottom in four parts:
 
-1. ``Request``: one sequence the scheduler generates, and the only record of its state (its
+1. ``Sequence``: one sequence the scheduler generates, and the only record of its state (its
    tokens, its text, its grammar, its sampler) and of whether it is finished.
 2. ``Engine``'s life cycle and its door: ``submit`` (admission, ``admission.py``: tokens,
-   limits, adapter, grammar, seeds) queues a submission's requests and answers once with a
+   limits, adapter, grammar, seeds) queues a submission's sequences and answers once with a
    ``Handle``; ``cancel`` drops them when the client goes away.
-3. The scheduler thread, which repeats ``Engine.step``: lesson 03's continuous batching with the
-   very functions of ``helpers.batching``:
-
-   1. drop the rows whose client went away (``filter_batch``);
-   2. admit waiting requests into the free slots: their prompts become a new batch
-      (``batch_from_token_ids``, the tokenized form of ``init_batch``), are read in one forward
-      pass (the prefill, ``generate_next_token``) and join the running batch
-      (``merge_batches``);
-   3. run one decode step for the whole batch (``generate_next_token``) and drop the rows that
-      finished (``filter_batch``).
-
+3. The scheduler thread, which repeats ``Engine.step``, the same turn whatever the KV layout
+   and however the model runs: drop the cancelled, admit (``scheduling.py``: the admission
+   policy; the KV layout's room), run the layout's forward passes (``kv.py``: lesson 03's
+   padded batch or lesson 08's paged cache, whose passes run through ``runner.py``: eager,
+   compiled or CUDA graphs), choose each row's token and hand it out.
 4. Choosing each row's token by its own rules (greedy or seeded sampling, penalties, logit
-   bias, a grammar's mask: ``helpers.server.sampling``), and handing the events out: after
-   every forward pass, one call to ``deliver`` with its events. Each row's adapter is set
-   with ``MultiLora.set_rows`` (lesson 06) before every forward pass.
+   bias, a grammar's mask: ``choosing.py``), and handing the events out: after every
+   forward pass, one call to ``deliver`` with its events.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
 (and, with an adapter, what generating that row alone with the adapter gives): batching
-changes when answers come, not what they are. ``helpers.server.paged_engine`` runs the same
-engine on lesson 08's paged KV cache.
+changes when answers come, not what they are.
 
 The server runs the engine in a process of its own by default (``engine_process.py``: the
 scheduler then never waits for the HTTP side's thread to give back Python's lock); the engine
@@ -46,26 +38,27 @@ from collections import Counter, defaultdict, deque
 
 import torch
 
-from ..batching import Batch, filter_batch, generate_next_token, merge_batches, model_context
+from ..batching import model_context
 from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore
 from .admission import Admission, Admitted
-from .choosing import TokenChooser
+from .choosing import TokenChooser, guarded
 from .contract import (ErrorEvent, Finish, GenerationParams, Handle, Sink, Submission,
                        TokenEvent)
 from .detok import IncrementalDecoder
 from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
+from .kv import make_kv
 from .options import DEFAULTS
-from .scheduling import prefill_batches, take_waiting
+from .scheduling import POLICIES, take_waiting
 
 log = logging.getLogger("helpers.server")
 
 
-# --- 1. one sequence ------------------------------------------------------------------------
+# --- 1. one sequence -------------------------------------------------------------------------
 
-class Request:
+class Sequence:
     """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``): what
     the scheduler knows of it, from the queue to its last token. It alone decides when it is
     finished (``accept``); the engine copies that into the batch."""
@@ -197,12 +190,20 @@ class Engine:
     max_total_tokens:  prompt + new tokens of one request (default: the model's context)
     max_queue:         requests that may wait for a slot; one more is refused (Overloaded)
     default_max_new_tokens: what a request that does not say gets (capped by the room left)
+    admission:         the order in which waiting requests are admitted: "fcfs" or
+                       "shortest" (``scheduling.py``)
+    kv_cache:          the KV layout (``kv.py``): "paged" (lesson 08, the server's default)
+                       or "contiguous" (lesson 03)
+    layout:            the paged layout's options (``kv.make_kv``): block_size,
+                       prefix_caching, max_prefill_tokens, num_blocks, and how its passes
+                       run (``runner.Runner``): compile, cuda_graphs, graph_sizes, capture.
+                       Compiling and capturing happen here, before the engine answers
+                       anything, and never after.
 
     ``start()`` starts the scheduler thread, ``stop()`` ends it (waiting and running requests
     get an error event). ``submit`` and ``cancel`` are the HTTP side's (``contract.EngineClient``).
     """
 
-    kv_cache = "contiguous"
     restarts = 0              # never: a scheduler thread is not restarted (EngineProcess is)
 
     def __init__(self, model, tokenizer, *, adapters_dir=ADAPTERS_DIR,
@@ -211,10 +212,18 @@ class Engine:
                  max_total_tokens: int | None = DEFAULTS["max_total_tokens"],
                  max_queue: int = DEFAULTS["max_queue"],
                  default_max_new_tokens: int = DEFAULTS["default_max_new_tokens"],
-                 model_id: str | None = None):
+                 admission: str = DEFAULTS["admission"], kv_cache: str = DEFAULTS["kv_cache"],
+                 model_id: str | None = None, **layout):
         max_input_tokens, max_total_tokens = _check_limits(
             model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
             default_max_new_tokens)
+        if admission not in POLICIES:
+            raise ValueError(f"admission must be one of {', '.join(POLICIES)}, got {admission!r}")
+        if kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
+        if kv_cache == "contiguous" and layout:
+            raise ValueError(f"{', '.join(layout)}: options of the paged KV layout, not of "
+                             f"kv_cache='contiguous'")
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or getattr(model.config, "_name_or_path", "") or "model"
@@ -223,6 +232,7 @@ class Engine:
         self.max_total_tokens = max_total_tokens
         self.max_queue = max_queue
         self.default_max_new_tokens = default_max_new_tokens
+        self.policy = POLICIES[admission]
         self.device = model.device
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -235,9 +245,8 @@ class Engine:
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
         self._cond = threading.Condition()      # guards the waiting queue and the flags
-        self._waiting: deque[Request] = deque()
-        self._rows: dict[int, Request] = {}     # the running requests, by id
-        self._batch = Batch.empty()
+        self._waiting: deque[Sequence] = deque()
+        self._rows: dict[int, Sequence] = {}    # the running sequences, by id
         self._next_id = 0
         self._next_handle = 0
         self._stopping = False
@@ -250,7 +259,11 @@ class Engine:
                                    vocab_size=self.vocab_size)
         self.max_prompt_chars = self.admission.max_prompt_chars
         self.stats = defaultdict(float)
-        #: Where every step's events go: ``deliver([(request, event), ...])``. Here, to each
+        #: Where the running rows' keys and values live, and the passes of a turn (``kv.py``).
+        self.kv = make_kv(kv_cache, model, tokenizer, self.pad_id,
+                          max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
+                          lora=self.adapters.lora, **layout)
+        #: Where every step's events go: ``deliver([(sequence, event), ...])``. Here, to each
         #: submission's sink; the engine's process replaces it with one message to the HTTP
         #: process (``engine_process.py``).
         self.deliver = deliver_to_sinks
@@ -270,6 +283,11 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV layout's name: "paged" or "contiguous"."""
+        return self.kv.name
 
     @property
     def healthy(self) -> bool:
@@ -299,7 +317,7 @@ class Engine:
             handle = Handle(self._next_handle, [a.text for a in admitted], len(seeds), seeds,
                             sink, tag)
             self._next_handle += 1
-            requests = [Request(self._next_id + sequence, handle, sequence,
+            requests = [Sequence(self._next_id + sequence, handle, sequence,
                                 admitted[sequence // copies], params, seed, self.tokenizer,
                                 self.eos_id)
                         for sequence, seed in enumerate(seeds)]
@@ -322,7 +340,7 @@ class Engine:
         """Counters and the current load, for /metrics and /info."""
         with self._cond:
             state = {"waiting": len(self._waiting), "running": len(self._rows)}
-        return {**state, **{k: v for k, v in self.stats.items()}}
+        return {**state, **self.stats, **self.kv.snapshot()}
 
     def info(self) -> dict:
         model = self.model
@@ -341,7 +359,8 @@ class Engine:
             "adapters_available": self.adapters.available(),
             "adapters_loaded": self.adapters.loaded,
             "json_mode": Grammars.available(),
-            "kv_cache": self.kv_cache,
+            "admission": next(k for k, v in POLICIES.items() if v is self.policy),
+            **self.kv.info(),
             "engine": "thread",             # EngineProcess says "process"
             "engine_restarts": self.restarts,
         }
@@ -380,63 +399,80 @@ class Engine:
                 self._fail_rows("generation failed; the server's log has the details")
 
     def step(self) -> None:
-        """One turn of the scheduler loop: lesson 03's continuous batching, in which every row
-        may use its own adapter (lesson 06) and its own way of choosing tokens. Runs in the
-        scheduler thread, which holds the model lock. Lesson 07 shows this method."""
+        """One turn of the scheduler, the same for every KV layout and every way of running
+        the model. Runs in the scheduler thread, which holds the model lock. Lesson 07 shows
+        this method."""
         # 1. Rows whose client went away leave before any work is spent on them.
         self._drop_cancelled()
-        # 2. Free slots go to waiting requests. Their prompts become a new batch (lesson 03's
-        #    init_batch), read in one forward pass, the prefill, which gives each its first
-        #    token (generate_next_token, called by _generate); the rows still running merge
-        #    into the running batch. (Requests that want their prompt scored get a batch of
-        #    their own, which keeps the logits of every position.)
-        with self._cond:
-            new = take_waiting(self._waiting, self.max_batch_size - len(self._rows), self.stats)
-        self._rows.update((request.id, request) for request in new)
-        for prefill, keep in prefill_batches(new, self.pad_id):
-            self._generate(prefill, "prefill", logits_to_keep=keep)
-            self._batch = merge_batches(self._batch, filter_batch(prefill))
-        # 3. One decode step: every running row, new or old, gets its next token; the rows
-        #    that finished leave the batch and free their slots for the next turn.
-        if len(self._batch):
-            self._generate(self._batch, "decode")
-            self._batch = filter_batch(self._batch)
+        # 2. Admit: free slots take waiting requests, in the order the admission policy picks
+        #    them, each with the room the KV layout promises it (a request the layout cannot
+        #    hold yet waits, and so do those behind it).
+        if self.kv.admits():
+            with self._cond:
+                new = take_waiting(self._waiting, self.max_batch_size - len(self._rows),
+                                   self.kv.admit, self.policy, self.stats)
+            self._rows.update((sequence.id, sequence) for sequence in new)
+            self._score_prompts(new)
+        # 3. Run, choose, hand out: the layout's forward passes of this turn (lesson 03's
+        #    reads the new prompts in a pass of their own, then decodes every row; lesson 08's
+        #    reads prompts and decodes in one pass). After each pass every row that read all
+        #    its tokens gets its next one, by its own rules, and its client gets it at once;
+        #    the rows that finished leave, and their room goes back to the layout.
+        for batch in self.kv.passes():
+            self._generate(batch)
 
     def _drop_cancelled(self) -> None:
-        batch = self._batch
-        if not any(self._rows[rid].cancelled for rid in batch.request_ids):
-            return
-        for i, rid in enumerate(batch.request_ids):
-            if self._rows[rid].cancelled:
-                batch.done[i] = True
+        gone = {rid for rid, row in self._rows.items() if row.cancelled}
+        if gone:
+            self.kv.drop(gone)
+            for rid in gone:
                 del self._rows[rid]
-                self.stats["cancelled"] += 1
-        self._batch = filter_batch(batch)
+            self.stats["cancelled"] += len(gone)
 
-    def _generate(self, batch: Batch, kind: str, logits_to_keep: int = 1) -> None:
-        """Lesson 03's ``generate_next_token`` on ``batch`` with each row's adapter and our
-        chooser; then every row's event goes out and finished rows are marked done."""
+    def _score_prompts(self, new: list[Sequence]) -> None:
+        """The PromptEvent of every new sequence that asked for it (``prompt_logprobs``),
+        from a forward pass of its prompt alone, with its adapter: its prefill may be split
+        into chunks, or skipped for a cached prefix, and keeps only the last position."""
+        outgoing = []
+        for row in new:
+            if row.params.prompt_logprobs:
+                guarded(row, self._score_alone, row, outgoing)
+        self.deliver(outgoing)
+
+    def _score_alone(self, row: Sequence, outgoing: list) -> None:
+        lora = self.adapters.lora
+        ids = torch.tensor([row.prompt_ids], device=self.device)
+        with lora.rows([row.adapter] if lora.names else None):   # then the rows as they were
+            logits = self.model(input_ids=ids, use_cache=False).logits[0]
+        self.choose.score_prompt(row, logits, outgoing)
+
+    def _generate(self, batch) -> None:
+        """One forward pass of the layout over ``batch``, each row with its adapter; the rows
+        that read all their tokens get their next one, chosen by ``TokenChooser``; then every
+        such row's event goes out and the finished rows are marked done."""
         start = time.perf_counter()
+        kind = "decode" if batch.prefilled else "prefill"
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
-        rows = [self._rows[rid] for rid in batch.request_ids]
-        if self.adapters.lora.names:
-            self.adapters.lora.set_rows([row.adapter for row in rows])
-        outgoing: list = []
+        outgoing, chosen = [], []
 
-        def choose(logits):
-            return self.choose(rows, logits, outgoing, score=logits_to_keep == 0)
+        def choose(logits, rows):
+            picked = [self._rows[batch.request_ids[i]] for i in rows]
+            chosen.extend(zip(rows, picked))
+            return self.choose(picked, logits, outgoing)
 
-        # EOS is handled by Request.accept (per row: ignore_eos, grammars), not by the helper.
-        generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
-                            choose=choose, logits_to_keep=logits_to_keep)
-        self._hand_out(batch, list(enumerate(rows)), outgoing)
+        lora = self.adapters.lora
+        adapters = None
+        if lora.names:
+            adapters = (lora, [self._rows[rid].adapter for rid in batch.request_ids])
+        self.kv.forward(batch, adapters, choose)
+        self._hand_out(batch, chosen, outgoing)
         self.stats[f"steps_{kind}"] += 1
-        self.stats["tokens"] += len(rows)
+        self.stats["tokens"] += len(chosen)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
     # --- 4. handing out tokens --------------------------------------------------------------
 
-    def _hand_out(self, batch, rows: list[tuple[int, Request]], outgoing: list) -> None:
+    def _hand_out(self, batch, rows: list[tuple[int, Sequence]], outgoing: list) -> None:
         """After a forward pass: each row's event (its token, or its failure) goes out; the
         requests that finished leave ``_rows``, and their batch rows are marked done (the
         caller filters them out)."""
@@ -461,7 +497,7 @@ class Engine:
     def _fail_rows(self, message: str) -> None:
         outgoing = [(row, ErrorEvent(message)) for row in self._rows.values()]
         self._rows.clear()
-        self._batch = Batch.empty()
+        self.kv.clear()
         self.stats["failed"] += len(outgoing)
         self.deliver(outgoing)
 
@@ -474,7 +510,7 @@ class Engine:
         self._fail_rows(message)
 
 
-def deliver_to_sinks(outgoing: list[tuple[Request, object]]) -> None:
+def deliver_to_sinks(outgoing: list[tuple[Sequence, object]]) -> None:
     """A step's events to their submissions' sinks: one call per submission, with its events
     as ``(sequence, event)`` in order. A submission's ``done`` counts its finished sequences."""
     by_handle: dict[Handle, list] = {}

@@ -187,7 +187,6 @@ def build_engine(settings: dict):
     from .engine import Engine
     from .graphs import check_sizes, parse_sizes
     from .options import ENGINE_OPTIONS
-    from .paged_engine import PagedEngine
 
     paged = settings["kv_cache"] == "paged"
     compile = settings.get("compile", "auto")
@@ -215,10 +214,8 @@ def build_engine(settings: dict):
     if adapters_dir is None:                      # the course's shipped adapters
         from ..lora import ADAPTERS_DIR as adapters_dir
     options = {name: settings[name] for name in ENGINE_OPTIONS}
-    if paged:
-        return PagedEngine(model, tokenizer, adapters_dir=adapters_dir,
-                           model_id=settings["model_id"], compile=compile,
-                           cuda_graphs=cuda_graphs, graph_sizes=sizes, **options)
+    if paged:                                     # the paged layout's runner (lesson 10)
+        options.update(compile=compile, cuda_graphs=cuda_graphs, graph_sizes=sizes)
     return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=settings["model_id"],
                   **options)
 
@@ -343,7 +340,7 @@ class _EngineSide:
 # --- the HTTP process's side --------------------------------------------------------------------
 
 class EngineProcess:
-    """An ``Engine`` (or ``PagedEngine``) in a process of its own, seen from the HTTP process,
+    """An ``Engine`` in a process of its own, seen from the HTTP process,
     and restarted when it dies. (Lesson 07.)
 
     The arguments are ``build_engine``'s settings (the server's options). ``start()`` starts

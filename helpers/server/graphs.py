@@ -29,22 +29,26 @@ largest first, all in one memory pool (a graph's intermediate tensors are its ow
 lets the graphs share that memory, since only one replays at a time). No graph is ever
 captured after start-up: ``run`` replays or the step goes the old way.
 
-On a CPU there is no CUDA graph. ``capture`` is what records a step: ``CudaGraphs()`` by
-default; the tests give ``rerun_each_replay``, which runs the step again at each "replay", to
-check everything around the graphs (sizes, padding, staging, the scratch block, the counts) on
-a machine without a GPU.
+The recording itself is lesson 10's ``record`` (``helpers.compilation``), the one capture of
+the course. On a CPU there is no CUDA graph: ``record`` stands in with a step run again at
+each "replay" (``rerun_each_replay``), which the tests use to check everything around the
+graphs (sizes, padding, staging, the scratch block, the counts) on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..compilation import CAPTURE_SIZES, capture_size
+from ..compilation import CAPTURE_SIZES, capture_size, record
 from . import startup
-from .compiled import PackedInputs, PackedStep
+
+if TYPE_CHECKING:
+    from .runner import PackedStep
+from ..paged.attention import PackedInputs
 
 #: The columns of one row of the staging buffer: its new token, that token's position, the
 #: pool index its keys and values go to, its history's length; then the L pool indices of
@@ -56,36 +60,6 @@ def _fresh(view: torch.Tensor) -> torch.Tensor:
     """A copy of a column or block of ``inputs`` laid out as the compiled step was traced
     with: contiguous, with plain strides even where a size is 1 (torch guards on strides)."""
     return view.clone(memory_format=torch.contiguous_format)
-
-
-class CudaGraphs:
-    """``capture(body) -> (replay, output)`` with ``torch.cuda.CUDAGraph``: ``body`` is run
-    twice on a side stream first (lazy initialisations, cuBLAS workspaces, a compile), then
-    recorded. All graphs made by one ``CudaGraphs`` share one memory pool."""
-
-    def __init__(self):
-        self.pool = None
-
-    def __call__(self, body):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = body()
-        if self.pool is None:
-            self.pool = graph.pool()
-        return graph.replay, output
-
-
-def rerun_each_replay(body):
-    """A stand-in for a CUDA graph where there is none (tests on a CPU): each "replay" runs
-    ``body`` again and writes its result into the same output tensor, as a replay would."""
-    output = body()
-    return (lambda: output.copy_(body())), output
 
 
 def check_sizes(sizes, max_batch_size: int) -> tuple[int, ...]:
@@ -149,7 +123,8 @@ class GraphedDecode:
             self._query = torch.arange(largest, device=device)[:, None].contiguous()
             self._output = torch.arange(largest, device=device)
             self._last = torch.arange(largest, device=device)
-        self.capture = capture or CudaGraphs()
+        self.capture = capture          # None: lesson 10's ``record`` (the tests: a stand-in)
+        self.pool = None                # the graphs' shared memory pool
         self.graphs: dict[int, tuple] = {}         # size -> (replay, output)
         self.captures = 0
         self.replays = 0
@@ -171,7 +146,12 @@ class GraphedDecode:
                            number, len(self.sizes))
             with torch.inference_mode():
                 self._stage([], [], [], size)
-                self.graphs[size] = self.capture(lambda size=size: self._body(size))
+                body = lambda size=size: self._body(size)   # noqa: E731
+                if self.capture is None:
+                    replay, output, self.pool = record(body, self.inputs.device, self.pool)
+                    self.graphs[size] = (replay, output)
+                else:
+                    self.graphs[size] = self.capture(body)
             self.captures += 1
         if on_gpu:
             torch.cuda.synchronize(self.inputs.device)

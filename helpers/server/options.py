@@ -56,6 +56,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache", str, "paged", "the KV cache: 'paged' (blocks, prefix caching and chunked "
            "prefill, lesson 08) or 'contiguous' (one tensor per layer, lessons 03 and 07)",
            choices=("paged", "contiguous")),
+    Option("admission", str, "fcfs", "the order in which waiting requests are admitted: "
+           "'fcfs' (first come, first served) or 'shortest' (the shortest prompt first)",
+           choices=("fcfs", "shortest")),
     Option("compile", str, "auto", "compile the paged cache's model step with torch.compile at "
            "start-up (lesson 10): 'auto' (with --kv-cache paged; eager, with a warning, where "
            "compiling fails, e.g. no C++ compiler), 'on' (fail instead) or 'off'",
@@ -81,7 +84,7 @@ OPTIONS: tuple[Option, ...] = (
 
 #: The options that are ``Engine``'s own keyword arguments (the others are the process's).
 ENGINE_OPTIONS = ("max_batch_size", "max_input_tokens", "max_total_tokens", "max_queue",
-                  "default_max_new_tokens")
+                  "default_max_new_tokens", "admission", "kv_cache")
 
 #: Each option's default, by name.
 DEFAULTS: dict[str, object] = {option.name: option.default for option in OPTIONS}

@@ -1,38 +1,47 @@
-"""The scheduler's helpers: which waiting requests join the batch, and as which batches they
-are read. (Lesson 07.)
+"""Admission: which waiting requests join the batch, in which order. (Lesson 07.)
 
-``Engine.step`` (engine.py) is the loop lesson 07 reads; the small decisions it makes at every
-turn live here, beside it, so that the loop reads as the four steps it is.
+``Engine.step`` (engine.py) calls ``take_waiting`` once a turn. The policy is the order in
+which the queue is read; the KV layout says whether there is room for each request
+(``kv.py``); the free slots say how many may join. The policy is the server's
+``--admission`` option:
+
+* ``fcfs``: first come, first served (the default, as in vLLM and TGI);
+* ``shortest``: the shortest prompt first (a short request is not stuck behind long ones; a
+  long one may wait while short ones keep coming).
+
+Either way, a request the KV layout cannot hold yet ends the turn's admission: with ``fcfs``
+nothing overtakes it, so a large request is never starved by small ones.
 """
 
 from __future__ import annotations
 
-from collections import deque
 
-from ..batching import Batch, batch_from_token_ids
+def first_come(waiting):
+    """The request that came first."""
+    return waiting[0]
 
 
-def take_waiting(waiting: deque, free: int, stats) -> list:
-    """Up to ``free`` requests from the front of the queue, first come first served; those
-    whose client went away are dropped on the way (and counted in ``stats["cancelled"]``)."""
+def shortest_prompt(waiting):
+    """The request with the shortest prompt (the first of them, on a tie)."""
+    return min(waiting, key=lambda sequence: len(sequence.prompt_ids))
+
+
+POLICIES = {"fcfs": first_come, "shortest": shortest_prompt}
+
+
+def take_waiting(waiting, free: int, fits, policy, stats) -> list:
+    """Up to ``free`` requests taken from ``waiting`` (a deque) in the order ``policy`` picks
+    them, while ``fits(request)`` finds room for each (it reserves that room); those whose
+    client went away are dropped on the way (and counted in ``stats["cancelled"]``)."""
     taken = []
     while waiting and len(taken) < free:
-        request = waiting.popleft()
-        if request.cancelled:
+        sequence = policy(waiting)
+        if sequence.cancelled:
+            waiting.remove(sequence)
             stats["cancelled"] += 1
             continue
-        taken.append(request)
+        if not fits(sequence):
+            break
+        waiting.remove(sequence)
+        taken.append(sequence)
     return taken
-
-
-def prefill_batches(requests: list, pad_id: int) -> list[tuple[Batch, int]]:
-    """The new requests as batches (lesson 03's ``init_batch``, from token ids), each with the
-    logits its prefill keeps: the last position only (1), or every position (0) for the
-    requests that asked for their prompt's log probabilities, which get a batch each so that
-    nobody else's logits are kept (each one's are bounded at admission: MAX_SCORING_BYTES)."""
-    scoring = [[r] for r in requests if r.params.prompt_logprobs]
-    others = [r for r in requests if not r.params.prompt_logprobs]
-    return [(batch_from_token_ids([r.prompt_ids for r in group],
-                                  [max(1, r.max_new_tokens) for r in group],
-                                  [r.id for r in group], pad_id), keep)
-            for group, keep in [(others, 1)] + [(one, 0) for one in scoring] if group]
