@@ -355,7 +355,7 @@ def test_two_sharded_models_at_once_and_a_rank_that_dies(bundled, two_ranks):
 @pytest.mark.parametrize("arguments, message", [
     ({"world_size": 3}, "does not divide the 4 attention heads"),
     ({"world_size": 2, "threads": 0}, "threads must be a positive integer, got 0")])
-def test_a_world_size_or_threads_start_ranks_refuses_starts_no_process(arguments, message):
+def test_a_world_size_or_threads_that_start_ranks_refuses_start_no_process(arguments, message):
     before = set(os.listdir("/proc")) if os.path.isdir("/proc") else set()
     with pytest.raises(ValueError, match=message):
         start_ranks(backend="gloo", name="tests-refused", **arguments)
@@ -371,28 +371,33 @@ def cpu_ticks(pid: int) -> int:
         return sum(map(int, stat.read().rsplit(")", 1)[1].split()[11:13]))
 
 
-def interrupt_mid_call(group):
+def interrupt_mid_call(group) -> threading.Event:
     """SIGINT to this process and to the group's ranks once rank 0 has worked 0.1 s more (its
     heartbeat alone takes far less): the notebook's Interrupt button in the middle of a call
-    (it signals the kernel's whole process group)."""
-    start = cpu_ticks(group.pids[0])
+    (it signals the kernel's whole process group). Set the event returned to call it off."""
+    start, called_off = cpu_ticks(group.pids[0]), threading.Event()
 
     def watch():
         while cpu_ticks(group.pids[0]) < start + os.sysconf("SC_CLK_TCK") // 10:
-            time.sleep(0.01)
+            if called_off.wait(0.01):
+                return
         for pid in [*group.pids, os.getpid()]:
             os.kill(pid, signal.SIGINT)
 
     threading.Thread(target=watch, daemon=True).start()
+    return called_off
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see a rank at work")
 def test_an_interrupted_call_leaves_the_group_usable_and_the_next_answer_its_own(bundled,
                                                                                two_ranks):
     model, tokenizer = bundled
-    interrupt_mid_call(two_ranks)
-    with pytest.raises(KeyboardInterrupt):
-        two_ranks.generate(ids_of(tokenizer, "Jack and Jill").repeat(8, 1), 200)
+    called_off = interrupt_mid_call(two_ranks)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            two_ranks.generate(ids_of(tokenizer, "Jack and Jill").repeat(8, 1), 200)
+    finally:
+        called_off.set()
     run = two_ranks.generate(ids_of(tokenizer, "Humpty Dumpty sat"), 5)  # not the 8 x 200 above
     assert run.tokens == [lesson01_tokens(model, tokenizer, "Humpty Dumpty sat", 5)]
     assert [m["weight_bytes"] for m in two_ranks.memory()] == [7_560_192] * 2
@@ -446,7 +451,7 @@ def test_a_call_on_a_stopped_group_says_it_was_stopped(bundled):
         group.generate(ids_of(tokenizer, "Jack and Jill"), 3)
 
 
-@pytest.mark.skipif(os.name != "posix", reason="process ids in folder names, os.fork")
+@pytest.mark.skipif(os.name != "posix", reason="folders name their notebook's pid on POSIX")
 def test_the_next_start_removes_the_folder_of_ranks_killed_with_their_notebook():
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()                                   # a notebook process that is gone

@@ -261,8 +261,8 @@ class RankGroup:
                     raise self._failed(rank, answer, doing)
                 if answer["id"] == self._command_id:
                     answers[rank] = answer
-                else:                             # an interrupted call's: dropped, and the
-                    deadline = time.monotonic() + timeout         # ranks turn to this one
+                else:               # an interrupted call's late answer: dropped; wait anew
+                    deadline = time.monotonic() + timeout
             for other, process in enumerate(self.processes):
                 if process.poll() is not None and other not in answers:
                     raise self._died(other, doing)
@@ -282,7 +282,7 @@ class RankGroup:
 
     def _ask(self, command: dict, doing: str, timeout: float | None = None) -> list[dict]:
         if self._stopped is not None:
-            raise RuntimeError(f"this group was stopped"
+            raise RuntimeError("this group was stopped"
                                + (f" because {self._stopped}" if self._stopped else "")
                                + ": start a new one (start_ranks)")
         if (dead := self._dead()) is not None:
