@@ -3,8 +3,14 @@ model writes lesson 01's tokens in threads and in processes, the all-reduces and
 exactly what the plan says, and rank processes never hang or outlive their notebook."""
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +21,8 @@ from helpers.models import BUNDLED_MODEL_DIR
 from helpers.sharding import (LLAMA2_70B_SHAPE, LINKS, CommCounts, GroupBroken, RankDied,
                               SimulatedTP, ThreadGroup, allreduce_bytes_per_step,
                               allreduce_seconds, check_world_size, embed_vocab_shard, gpt2_plan,
-                              load_shard, pipeline_generate, pipeline_schedule, run_in_threads,
-                              shard_model,
+                              greedy_decode, load_shard, pipeline_generate, pipeline_schedule,
+                              run_in_threads, shard_model,
                               split_columns, split_qkv, split_rows, stage_blocks, start_ranks,
                               tp_decode_step, vocab_shard, weight_bytes, weight_bytes_per_rank)
 from tests.conftest import COURSE_PROMPTS, process_gone
@@ -339,7 +345,8 @@ def test_two_sharded_models_at_once_and_a_rank_that_dies(bundled, two_ranks):
             other.generate(ids_of(tokenizer, "Jack and Jill"), 12)
         assert time.monotonic() - start < 5
         assert all(process_gone(pid, 10.0) for pid in other.pids)
-        with pytest.raises(RankDied):                      # the group stays stopped
+        with pytest.raises(RuntimeError, match="this group was stopped because rank 1 of 2 "
+                                               "died"):            # the group stays stopped
             other.generate(ids_of(tokenizer, "Jack and Jill"), 2)
         assert two_ranks.running                           # the first group is untouched
     finally:
@@ -347,14 +354,158 @@ def test_two_sharded_models_at_once_and_a_rank_that_dies(bundled, two_ranks):
     assert not other.running
 
 
-def test_a_world_size_the_model_refuses_starts_no_process():
+@pytest.mark.parametrize("arguments, message", [
+    ({"world_size": 3}, "does not divide the 4 attention heads"),
+    ({"world_size": 2, "threads": 0}, "threads must be a positive integer, got 0")])
+def test_a_world_size_or_threads_that_start_ranks_refuses_start_no_process(arguments, message):
     before = set(os.listdir("/proc")) if os.path.isdir("/proc") else set()
-    with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
-        start_ranks(3, backend="gloo", name="tests-three")
+    with pytest.raises(ValueError, match=message):
+        start_ranks(backend="gloo", name="tests-refused", **arguments)
     if before:
         children = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
         assert not any("helpers.sharding.worker" in open(f"/proc/{p}/cmdline").read()
                        for p in children if os.path.exists(f"/proc/{p}/cmdline"))
+
+
+def cpu_ticks(pid: int) -> int:
+    """The processor time process ``pid`` has used, in clock ticks (user and system)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return sum(map(int, stat.read().rsplit(")", 1)[1].split()[11:13]))
+
+
+def interrupt_mid_call(group) -> threading.Event:
+    """SIGINT to this process and to the group's ranks once rank 0 has worked 0.1 s more (its
+    heartbeat alone takes far less): the notebook's Interrupt button in the middle of a call
+    (it signals the kernel's whole process group). Set the event returned to call it off."""
+    start, called_off = cpu_ticks(group.pids[0]), threading.Event()
+
+    def watch():
+        while cpu_ticks(group.pids[0]) < start + os.sysconf("SC_CLK_TCK") // 10:
+            if called_off.wait(0.01):
+                return
+        for pid in [*group.pids, os.getpid()]:
+            os.kill(pid, signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return called_off
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see a rank at work")
+def test_an_interrupted_call_leaves_the_group_usable_and_the_next_answer_its_own(bundled,
+                                                                               two_ranks):
+    model, tokenizer = bundled
+    called_off = interrupt_mid_call(two_ranks)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            two_ranks.generate(ids_of(tokenizer, "Jack and Jill").repeat(8, 1), 200)
+    finally:
+        called_off.set()
+    run = two_ranks.generate(ids_of(tokenizer, "Humpty Dumpty sat"), 5)  # not the 8 x 200 above
+    assert run.tokens == [lesson01_tokens(model, tokenizer, "Humpty Dumpty sat", 5)]
+    assert [m["weight_bytes"] for m in two_ranks.memory()] == [7_560_192] * 2
+    assert two_ranks.running
+
+
+def test_a_bad_argument_to_generate_is_named_in_the_notebook_and_the_group_goes_on(bundled,
+                                                                                 two_ranks):
+    model, tokenizer = bundled
+    jack = ids_of(tokenizer, "Jack and Jill")                             # 3 tokens
+    for input_ids, new_tokens, named in [
+            ([], 3, r"input_ids must be a non-empty \(batch, length\)"),
+            (jack[0].tolist(), 3, r"input_ids .* got shape \(3,\)"),
+            ([[5, 6], [7]], 3, "input_ids must be rows of token ids of equal length"),
+            (jack.float(), 3, "input_ids must hold integer token ids"),
+            ([[5, 943]], 3, "input_ids holds 943: the model's token ids go from 0 to 942"),
+            ([[-1, 5]], 3, "input_ids holds -1"),
+            (jack, 0, "new_tokens must be a positive integer, got 0"),
+            (jack, -2, "new_tokens must be a positive integer, got -2"),
+            (jack, 2.5, "new_tokens must be a positive integer, got 2.5"),
+            (jack, "3", "new_tokens must be a positive integer, got '3'"),
+            (jack, 255, "the model has 256: at most 254 new tokens")]:
+        with pytest.raises(ValueError, match=named):
+            two_ranks.generate(input_ids, new_tokens)
+    with pytest.raises(ValueError, match="communicate must be True or False"):
+        two_ranks.generate(jack, 3, communicate="no")
+    run = two_ranks.generate(jack, 5)                                     # nothing was sent
+    assert run.tokens == [lesson01_tokens(model, tokenizer, "Jack and Jill", 5)]
+    whole, _ = load_shard(BUNDLED_MODEL_DIR, 0, 1, ThreadGroup(1).communicator(0))
+    assert len(greedy_decode(whole, jack, 254).tokens[0]) == 254          # the last position
+
+
+def test_a_hung_rank_is_named_long_before_the_timeout(bundled):
+    _, tokenizer = bundled
+    group = start_ranks(2, backend="gloo", name="tests-hung")
+    try:
+        os.kill(group.pids[1], signal.SIGSTOP)     # rank 1 hangs; rank 0 waits in an all-reduce
+        with pytest.raises(TimeoutError, match=r"^rank 1 of 2 stopped answering while "
+                                               r"generating: no sign of life for 10 s"):
+            group.generate(ids_of(tokenizer, "Jack and Jill"), 3)          # timeout: 120 s
+        assert all(process_gone(pid, 10.0) for pid in group.pids)
+    finally:
+        group.stop()
+
+
+def test_a_call_on_a_stopped_group_says_it_was_stopped(bundled):
+    _, tokenizer = bundled
+    group = start_ranks(2, backend="gloo", name="tests-stopped", wait=False)
+    group.stop()
+    with pytest.raises(RuntimeError, match=r"^this group was stopped: start a new one"):
+        group.generate(ids_of(tokenizer, "Jack and Jill"), 3)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="folders name their notebook's pid on POSIX")
+def test_the_next_start_removes_the_folder_of_ranks_killed_with_their_notebook():
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()                                   # a notebook process that is gone
+    stale = Path(tempfile.mkdtemp(prefix=f"helpers-ranks-{ended.pid}-"))
+    (stale / "rank0.log").write_text("the kernel was killed with its ranks\n")
+    alive = Path(tempfile.mkdtemp(prefix=f"helpers-ranks-{os.getpid()}-"))   # a live one's
+    try:
+        group = start_ranks(2, backend="gloo", name="tests-stale", wait=False)
+        group.stop()
+        assert not stale.exists() and alive.exists()
+    finally:
+        for folder in (stale, alive):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+DRIVER = """
+import os, time
+from helpers.sharding import start_ranks
+group = start_ranks(2, backend="gloo", name="driver")
+child = os.fork()
+if child == 0:                 # a child of the notebook's that keeps the ranks' pipes open
+    time.sleep(60)
+    os._exit(0)
+print(group.workdir, child, *group.pids, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the ranks exit")
+def test_ranks_end_with_their_notebook_even_if_a_child_holds_their_pipes():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    pids = []
+    try:
+        workdir, *pids = driver.stdout.readline().split()
+        child, ranks = int(pids[0]), [int(p) for p in pids[1:]]
+        assert len(ranks) == 2 and Path(workdir).is_dir()
+        driver.kill()                                       # the kernel is killed
+        driver.wait()
+        assert all(process_gone(pid, 10.0) for pid in ranks), "a rank outlived its notebook"
+        assert not process_gone(child, 0.1)                 # though the child holds the pipes
+        assert not Path(workdir).exists()                   # and the ranks removed the folder
+    finally:
+        driver.kill()
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the ranks exit")
@@ -366,14 +517,16 @@ def test_killing_the_notebook_kernel_stops_its_ranks():
         out = []
         reply = client.execute_interactive(
             "from helpers.sharding import start_ranks\n"
-            "group = start_ranks(2, backend='gloo')\nprint(*group.pids)",
+            "group = start_ranks(2, backend='gloo')\nprint(group.workdir, *group.pids)",
             timeout=120, output_hook=lambda m: out.append(m["content"].get("text", ""))
             if m["msg_type"] == "stream" else None)
         assert reply["content"]["status"] == "ok", out
-        pids = [int(p) for p in "".join(out).split()]
+        workdir, *pids = "".join(out).split()
+        pids = [int(p) for p in pids]
         assert len(pids) == 2 and not any(process_gone(p, 0.5) for p in pids)
         os.kill(manager.provisioner.process.pid, signal.SIGKILL)
         assert all(process_gone(pid, 10.0) for pid in pids), "a rank outlived its kernel"
+        assert not Path(workdir).exists(), "the kernel's ranks left their folder"
     finally:
         client.stop_channels()
         if manager.is_alive():

@@ -14,7 +14,8 @@ One idea a module, in the order lesson 11 meets them:
     simulated   every rank in one process, one thread each (``SimulatedTP``)
     processes   every rank a process of its own, started and stopped from a notebook
                 (``start_ranks``; ``worker`` is the rank's program): free ports, a dead rank
-                reported by name within a second, no process left behind
+                reported by name within a second and a hung one within seconds, an
+                interrupted cell harmless, no process or folder left behind
     pipeline    the layers split into stages that pass activations on, and the bubble
     cost        the cost model: weights read against bytes all-reduced, at NVLink, PCIe and
                 network speeds

@@ -75,16 +75,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_decode_input(input_ids, new_tokens, vocab_size: int,
+                       positions: int) -> tuple[torch.Tensor, int]:
+    """``input_ids`` (a tensor or nested lists) as a tensor of shape ``(batch, length)``, and
+    ``new_tokens``, checked against a model of ``vocab_size`` token ids and ``positions``
+    positions: a ``ValueError`` that names the argument at fault. (Lesson 11.)"""
+    if not isinstance(input_ids, torch.Tensor):
+        try:
+            input_ids = torch.tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"input_ids must be rows of token ids of equal length ({error})") \
+                from None
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, length) of token ids, got "
+                         f"shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == \
+            torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids holds {low if low < 0 else high}: the model's token ids "
+                         f"go from 0 to {vocab_size - 1}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    length = input_ids.shape[1]
+    if length + new_tokens - 1 > positions:         # the last token chosen is never fed back
+        raise ValueError(f"new_tokens={new_tokens} after a prompt of {length} tokens needs "
+                         f"{length + new_tokens - 1} positions; the model has {positions}: "
+                         f"at most {max(positions - length + 1, 0)} new tokens")
+    return input_ids, new_tokens
+
+
 @torch.no_grad()
 def greedy_decode(model, input_ids: torch.Tensor, new_tokens: int,
                   comm: Communicator | None = None) -> Decoded:
     """``new_tokens`` greedy tokens for each row of ``input_ids`` ``(batch, length)`` (rows of
     equal length, no padding), with the KV cache; every step timed, and its all-reduces counted
     when the rank's ``comm`` is given. (Lesson 11.)"""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError("input_ids must be a non-empty tensor of shape (batch, length)")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}")
+    input_ids, new_tokens = check_decode_input(input_ids, new_tokens, model.wte.num_embeddings,
+                                               model.wpe.num_embeddings)
     input_ids = input_ids.to(model.device)
     out, past, step_input, chosen = Decoded(), None, input_ids, []
     for _ in range(new_tokens):

@@ -349,6 +349,8 @@ class _Config:
     layer_norm_epsilon: float
     activation_function: str
     tie_word_embeddings: bool
+    vocab_size: int
+    n_positions: int
 
 
 def _read_config(folder: Path) -> _Config:
@@ -356,7 +358,8 @@ def _read_config(folder: Path) -> _Config:
     return _Config(data.get("model_type", "?"), data.get("n_embd"), data.get("n_head"),
                    data.get("n_layer"), data.get("n_inner"), data.get("layer_norm_epsilon", 1e-5),
                    data.get("activation_function", "gelu_new"),
-                   data.get("tie_word_embeddings", True))
+                   data.get("tie_word_embeddings", True), data.get("vocab_size", 50257),
+                   data.get("n_positions", 1024))
 
 
 @torch.no_grad()

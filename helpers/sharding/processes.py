@@ -24,12 +24,22 @@ What can go wrong, and what this module does about it:
   until a timeout. The notebook watches every rank while it waits for answers, so the call
   fails within a fraction of a second with a ``RankDied`` error that names the rank, its exit
   code and its last log lines, and the group's other ranks are stopped;
-- a rank does not answer (a hang): after ``timeout`` seconds the call fails with the ranks
-  that did not answer, and the group is stopped;
-- the notebook's kernel ends (restart, crash, kill): every rank's standard input closes and the
-  rank exits at once (``worker``'s lifeline), as lesson 07's server does;
+- a rank hangs, or is stopped (SIGSTOP): every rank says it is alive twice a second,
+  even while it waits in an all-reduce, so a rank that stays silent for ``SILENT_SECONDS``
+  while the others go on is the one that is stuck: the call fails naming it, and the group is
+  stopped. A call that gets no answer within ``timeout`` seconds fails too;
+- a cell is interrupted (the notebook's Interrupt button, Ctrl-C): the ranks ignore the
+  signal and finish the command they were given. Every command and its answers carry an id,
+  so the group's next call drops those late answers and waits for its own;
+- a bad argument (an empty batch, a token id the model does not have, ``new_tokens=2.5``): a
+  ``ValueError`` naming it, before anything is sent; the group stays as it was;
+- the notebook's kernel ends (restart, crash, kill): every rank's standard input closes, and
+  every rank also watches its parent's process id (a child the kernel forked may keep standard
+  input open); the rank exits at once (``worker``'s lifeline), as lesson 07's server does, and
+  removes the group's folder. A folder whose ranks were killed with their kernel (Jupyter
+  kills a kernel's whole process group) is removed by the next ``start_ranks``;
 - a cell that starts a group runs again: the group started before under the same ``name`` is
-  stopped first.
+  stopped first; a call on a stopped group says so.
 """
 
 from __future__ import annotations
@@ -49,8 +59,14 @@ from pathlib import Path
 
 import torch
 
-from .decode import Decoded
+from .decode import Decoded, check_decode_input
 
+#: Every rank says it is alive this often (seconds), even while it waits in an all-reduce ...
+HEARTBEAT_SECONDS = 0.5
+#: ... so a rank that says nothing for this long while the other ranks go on is stuck.
+SILENT_SECONDS = 20 * HEARTBEAT_SECONDS
+#: The groups' folders are named ``helpers-ranks-<the notebook's process id>-<random>``.
+_FOLDER_PREFIX = "helpers-ranks-"
 #: The groups this process started and has not stopped yet, by name.
 _RUNNING: dict[str, "RankGroup"] = {}
 _LOCK = threading.Lock()
@@ -74,6 +90,31 @@ def choose_backend(world_size: int) -> str:
     return "gloo"
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)                             # signal 0: only asks whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:                         # another user's process
+        pass
+    return True
+
+
+def _remove_stale_folders() -> None:
+    """Remove the folders of groups whose notebook process is gone: ranks killed together with
+    their kernel (as Jupyter kills one: its whole process group) had no time to do it."""
+    if os.name != "posix":
+        return
+    for folder in Path(tempfile.gettempdir()).glob(f"{_FOLDER_PREFIX}*-*"):
+        pid = folder.name[len(_FOLDER_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _exit_reason(code: int) -> str:
     if code < 0:
         try:
@@ -86,19 +127,24 @@ def _exit_reason(code: int) -> str:
 class RankGroup:
     """The rank processes of one tensor-parallel model (made by ``start_ranks``). (Lesson 11.)
 
-    ``world_size``, ``backend``, ``pids`` (one a rank), ``store`` (the file they met at),
-    ``ready`` (what each rank said when it was ready: its weights' bytes, the bytes it read
-    from the checkpoint, its memory, its start-up seconds). Methods: ``generate``,
-    ``allreduce_seconds``, ``memory``, ``stop``; ``with group:`` stops it at the end.
+    ``world_size``, ``backend``, ``config`` (the model's sizes), ``pids`` (one a rank),
+    ``store`` (the file they met at), ``ready`` (what each rank said when it was ready: its
+    weights' bytes, the bytes it read from the checkpoint, its memory, its start-up seconds).
+    Methods: ``generate``, ``allreduce_seconds``, ``memory``, ``stop``; ``with group:`` stops
+    it at the end.
     """
 
-    def __init__(self, name: str, world_size: int, backend: str, model, threads: int,
+    def __init__(self, name: str, world_size: int, backend: str, model, config, threads: int,
                  timeout: float):
         self.name, self.world_size, self.backend = name, world_size, backend
-        self.timeout = timeout
-        self.workdir = Path(tempfile.mkdtemp(prefix="helpers-ranks-"))
+        self.config, self.timeout = config, timeout
+        _remove_stale_folders()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-"))
         self.store = self.workdir / "store"       # the ranks' meeting point: a file, no port
         self._answers: queue.Queue = queue.Queue()
+        self._heard = [time.monotonic()] * world_size   # when each rank last said anything
+        self._command_id = 0                      # the last command sent's id (0: "ready")
+        self._stopped: str | None = None          # why the group was stopped ("" if asked to)
         self.processes: list[subprocess.Popen] = []
         self.ready: list[dict] = []
         env = dict(os.environ)
@@ -111,7 +157,8 @@ class RankGroup:
             command = [sys.executable, "-m", "helpers.sharding.worker", "--rank", str(rank),
                        "--world-size", str(world_size), "--store", str(self.store),
                        "--backend", backend, "--threads", str(threads),
-                       "--timeout", str(timeout)]
+                       "--timeout", str(timeout), "--heartbeat", str(HEARTBEAT_SECONDS),
+                       "--parent", str(os.getpid()), "--workdir", str(self.workdir)]
             if model is not None:
                 command += ["--model", os.fspath(model)]
             with open(self.log_path(rank), "wb") as log:
@@ -135,10 +182,13 @@ class RankGroup:
 
     def _read(self, rank: int, process: subprocess.Popen) -> None:
         for line in process.stdout:
+            self._heard[rank] = time.monotonic()  # every line is a sign of life
             try:
-                self._answers.put((rank, json.loads(line)))
+                message = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if "id" in message:                   # an answer (else "alive")
+                self._answers.put((rank, message))
         self._answers.put((rank, None))           # its standard output closed: it ended
 
     @property
@@ -147,7 +197,15 @@ class RankGroup:
 
     @property
     def running(self) -> bool:
-        return bool(self.processes) and all(p.poll() is None for p in self.processes)
+        return (self._stopped is None and bool(self.processes)
+                and all(p.poll() is None for p in self.processes))
+
+    def _stop_because(self, why: str) -> str:
+        """Stop the group, remembering ``why`` for the calls that come after; the message of
+        the error to raise now."""
+        self._stopped = why
+        self.stop()
+        return f"{why}; the group is stopped: start a new one"
 
     def _died(self, rank: int, doing: str) -> RankDied:
         process = self.processes[rank]
@@ -158,13 +216,37 @@ class RankGroup:
         code = process.poll()
         how = _exit_reason(code) if code is not None else "its output closed"
         last = self.logs(rank)
-        self.stop()
-        return RankDied(f"rank {rank} of {self.world_size} died ({how}) while {doing}; the "
-                        f"group is stopped: start a new one."
-                        + (f" Its last lines:\n{last}" if last else ""))
+        message = self._stop_because(f"rank {rank} of {self.world_size} died ({how}) while "
+                                     f"{doing}")
+        return RankDied(message + (f". Its last lines:\n{last}" if last else "."))
+
+    def _dead(self) -> int | None:
+        """The first rank whose process has ended, if any."""
+        return next((r for r, p in enumerate(self.processes) if p.poll() is not None), None)
+
+    def _failed(self, rank: int, answer: dict, doing: str) -> Exception:
+        """Rank ``rank``'s error; unless another rank died, which is then the cause (the error
+        is often only a connection that the dead rank's end broke): it has a moment to end."""
+        for _ in range(20):
+            if (dead := self._dead()) is not None:
+                return self._died(dead, doing)
+            time.sleep(0.05)
+        late = answer["id"] != self._command_id
+        return RuntimeError(self._stop_because(
+            f"rank {rank} failed while {'finishing an interrupted call' if late else doing}: "
+            f"{answer.get('error')}"))
+
+    def _silent(self) -> list[int]:
+        """The ranks that said nothing for ``SILENT_SECONDS`` while the others went on (a rank
+        alone: while the clock went on)."""
+        latest = max(self._heard) if self.world_size > 1 else time.monotonic()
+        return [rank for rank, heard in enumerate(self._heard)
+                if latest - heard > SILENT_SECONDS]
 
     def _collect(self, doing: str, timeout: float) -> list[dict]:
-        """One answer from every rank, watching all of them while waiting."""
+        """Every rank's answer to the last command, watching all of them while waiting.
+        Answers to an earlier command (a call that was interrupted) are dropped, and the wait
+        for this one starts again from each."""
         answers: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while len(answers) < self.world_size:
@@ -172,41 +254,58 @@ class RankGroup:
                 rank, answer = self._answers.get(timeout=0.1)
             except queue.Empty:
                 rank, answer = None, None
-            if rank is not None:
-                if answer is None:
-                    raise self._died(rank, doing)
-                answers[rank] = answer
+            if rank is not None and answer is None:
+                raise self._died(rank, doing)
+            if answer is not None:
+                if not answer.get("ok"):
+                    raise self._failed(rank, answer, doing)
+                if answer["id"] == self._command_id:
+                    answers[rank] = answer
+                else:               # an interrupted call's late answer: dropped; wait anew
+                    deadline = time.monotonic() + timeout
             for other, process in enumerate(self.processes):
                 if process.poll() is not None and other not in answers:
                     raise self._died(other, doing)
+            silent = self._silent() if self.ready else []    # starting up: no watch yet
+            if silent:
+                for stuck in silent:
+                    self.processes[stuck].kill()  # a stopped process does not see stdin close
+                raise TimeoutError(self._stop_because(
+                    f"{_ranks(silent)} of {self.world_size} stopped answering while {doing}: "
+                    f"no sign of life for {SILENT_SECONDS:g} s while the others kept talking "
+                    f"(a hang, or a process stopped by a signal)"))
             if time.monotonic() > deadline:
                 silent = [r for r in range(self.world_size) if r not in answers]
-                self.stop()
-                raise TimeoutError(f"rank{'s' if len(silent) > 1 else ''} "
-                                   f"{', '.join(map(str, silent))} did not answer within "
-                                   f"{timeout:g} s while {doing}; the group is stopped")
-        failed = [(r, a) for r, a in sorted(answers.items()) if not a.get("ok")]
-        if failed:
-            rank, answer = failed[0]
-            self.stop()
-            raise RuntimeError(f"rank {rank} failed while {doing}: {answer.get('error')}; the "
-                               f"group is stopped")
+                raise TimeoutError(self._stop_because(
+                    f"{_ranks(silent)} did not answer within {timeout:g} s while {doing}"))
         return [answers[r] for r in range(self.world_size)]
 
     def _ask(self, command: dict, doing: str, timeout: float | None = None) -> list[dict]:
-        if not self.running:
-            dead = next((r for r, p in enumerate(self.processes) if p.poll() is not None), None)
-            if dead is not None:
-                raise self._died(dead, doing)
-            raise RuntimeError("this group was stopped: start a new one (start_ranks)")
-        line = (json.dumps(command) + "\n").encode()
-        for rank, process in enumerate(self.processes):
-            try:
+        if self._stopped is not None:
+            raise RuntimeError("this group was stopped"
+                               + (f" because {self._stopped}" if self._stopped else "")
+                               + ": start a new one (start_ranks)")
+        if (dead := self._dead()) is not None:
+            raise self._died(dead, doing)
+        number = self._command_id + 1
+        line = (json.dumps({"id": number, **command}) + "\n").encode()
+        try:
+            for rank, process in enumerate(self.processes):
                 process.stdin.write(line)
                 process.stdin.flush()
-            except (BrokenPipeError, OSError):
-                raise self._died(rank, doing) from None
-        return self._collect(doing, timeout or self.timeout)
+            self._command_id = number             # every rank has it
+        except (BrokenPipeError, OSError):
+            raise self._died(rank, doing) from None
+        except BaseException:                     # interrupted between two ranks: the ranks
+            self._stop_because("a call was interrupted while it handed the ranks a command")
+            raise                                 # may be out of step for good
+        try:
+            return self._collect(doing, timeout or self.timeout)
+        except KeyboardInterrupt as interrupt:
+            if hasattr(interrupt, "add_note"):    # Python 3.11 and later
+                interrupt.add_note("The ranks finish the command they were given; the "
+                                   "group's next call waits for that, then for its own.")
+            raise
 
     def wait_ready(self, timeout: float | None = None) -> "RankGroup":
         """Wait until every rank has joined the group and loaded its slices."""
@@ -223,11 +322,15 @@ class RankGroup:
         """Every rank runs the greedy loop on ``input_ids`` ``(batch, length)`` (a tensor or
         nested lists; rows of equal length); rank 0's result, after checking that every rank
         chose the same tokens. ``communicate=False`` skips the all-reduces (each rank keeps its
-        partial sums: wrong tokens, but the time of a step without communication)."""
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.tolist()
+        partial sums: wrong tokens, but the time of a step without communication). A bad
+        argument is a ``ValueError`` here, before anything is sent."""
+        input_ids, new_tokens = check_decode_input(input_ids, new_tokens,
+                                                   self.config.vocab_size,
+                                                   self.config.n_positions)
+        if not isinstance(communicate, bool):
+            raise ValueError(f"communicate must be True or False, got {communicate!r}")
         runs = [Decoded.from_dict(a) for a in self._ask(
-            {"op": "generate", "input_ids": input_ids, "new_tokens": new_tokens,
+            {"op": "generate", "input_ids": input_ids.tolist(), "new_tokens": new_tokens,
              "communicate": communicate}, "generating")]
         if communicate:
             for rank, run in enumerate(runs[1:], 1):
@@ -248,6 +351,8 @@ class RankGroup:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every rank: close its standard input (it exits at once), then kill it if it
         lingers. Safe to call twice."""
+        if self._stopped is None:
+            self._stopped = ""
         with _LOCK:
             if _RUNNING.get(self.name) is self:
                 del _RUNNING[self.name]
@@ -302,6 +407,10 @@ def start_ranks(world_size: int = 2, *, backend: str = "auto", model=None, threa
         raise ValueError(f"the split plan is written for GPT-2 models; {model} holds a "
                          f"{config.model_type!r} model")
     check_world_size(config, world_size)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if backend == "auto":
         backend = choose_backend(world_size)
     if backend not in ("gloo", "nccl"):
@@ -313,7 +422,7 @@ def start_ranks(world_size: int = 2, *, backend: str = "auto", model=None, threa
         previous = _RUNNING.pop(name, None)
     if previous is not None:
         previous.stop()
-    group = RankGroup(name, world_size, backend, model, threads, timeout)
+    group = RankGroup(name, world_size, backend, model, config, threads, timeout)
     with _LOCK:
         _RUNNING[name] = group
     return group.wait_ready() if wait else group
