@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import errors, guards, metrics, routes_lorax, routes_openai
+from . import errors, guards, metrics, routes_lorax, routes_openai, serving
 from .contract import MAX_STOP_SEQUENCES, EngineClient
 from .protocol import MAX_BEST_OF, ApiError, describe_validation_errors, invalid
 
@@ -99,6 +99,7 @@ def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics.Metrics()       # what the clients saw: latencies, statuses
+    app.state.runs = serving.Runs()             # the requests in flight
     add_error_handlers(app)
     app.include_router(routes_lorax.router)
     app.include_router(routes_openai.router)
@@ -154,6 +155,8 @@ def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.get("/health")
     async def health():
+        if app.state.runs.stopping:
+            return error_response("the server is shutting down", "unavailable", 503)
         if not engine.healthy:
             return JSONResponse({"error": "the scheduler is not running",
                                  "error_type": "unavailable",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import threading
 
 PREFIX = "helpers_server_"
@@ -34,7 +35,9 @@ ENGINE_METRICS = {
     "tokens": ("counter", "Tokens generated, all rows together."),
     "finished": ("counter", "Requests that finished (end of text, stop sequence or length)."),
     "cancelled": ("counter", "Requests dropped because their client went away."),
-    "failed": ("counter", "Requests that failed after they were accepted."),
+    "failed": ("counter", "Requests that failed after they were accepted, by reason: error "
+                          "(the request failed in the engine) or engine_crash (the engine's "
+                          "process died under it)."),
     "rejected_overloaded": ("counter", "Requests refused because the queue was full (429)."),
     "steps_prefill": ("counter", "Forward passes that read new prompts (on the paged cache, "
                                  "with the running rows' next tokens in the same pass)."),
@@ -76,8 +79,27 @@ ENGINE_METRICS = {
 }
 
 # Figures counted by a label: every label has a sample from the start (0 until it happens),
-# with or without graphs, so that a dashboard's query finds the series.
-LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows")}
+# with or without graphs, so that a dashboard's query finds the series. A plain number counts
+# under the first label.
+LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows"),
+          "failed": ("error", "engine_crash")}
+
+
+def combine(first: dict, second: dict, how=operator.add) -> dict:
+    """``second`` (a ``snapshot()``) with each of its counters combined with ``first``'s:
+    added (what engine processes that died had counted, carried over to the next) or the
+    larger taken. Gauges are ``second``'s: they say what is, not what was."""
+    out = dict(second)
+    for key, mine in first.items():
+        if ENGINE_METRICS.get(key, ("counter",))[0] != "counter":
+            continue
+        theirs = out.get(key, {} if isinstance(mine, dict) else 0)
+        if isinstance(mine, dict):
+            out[key] = {label: how(mine.get(label, 0), theirs.get(label, 0))
+                        for label in {**mine, **theirs}}
+        else:
+            out[key] = how(mine, theirs)
+    return out
 
 
 def _number(value: float) -> str:
@@ -169,7 +191,7 @@ class Metrics:
             value = snapshot.get(key, 0)
             if key in LABELS or isinstance(value, dict):      # one sample per reason
                 counts = {**dict.fromkeys(LABELS.get(key, ()), 0),
-                          **(value if isinstance(value, dict) else {})}
+                          **(value if isinstance(value, dict) else {LABELS[key][0]: value})}
                 lines += [f'{name}{{reason="{reason}"}} {_number(count)}'
                           for reason, count in sorted(counts.items())]
             else:

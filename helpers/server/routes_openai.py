@@ -81,7 +81,7 @@ async def parse(request: Request, parser) -> Call:
 
 
 async def start(request: Request, call: Call) -> Run:
-    return await Run.start(request.app.state.engine, call, request.app.state.metrics)
+    return await Run.start(request.app.state, call)
 
 
 # --- completions ----------------------------------------------------------------------------
