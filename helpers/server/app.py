@@ -153,18 +153,24 @@ def add_error_handlers(app: FastAPI) -> None:
 def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
     """/health, /info and /metrics."""
 
+    # Plain functions: FastAPI runs them in a worker thread, so that asking an engine in
+    # another process (engine_process.py) never holds up the event loop.
     @app.get("/health")
-    async def health():
+    def health():
+        """200 only if the engine answers now: a process killed a moment ago still looks
+        alive until the system has reaped it, but it answers nothing."""
         if app.state.runs.stopping:
             return error_response("the server is shutting down", "unavailable", 503)
-        if not engine.healthy:
-            return JSONResponse({"error": "the scheduler is not running",
-                                 "error_type": "unavailable",
-                                 "engine_restarts": engine.restarts}, status_code=503)
-        return {"status": "ok", "engine_restarts": engine.restarts}
+        try:
+            if engine.healthy:
+                engine.snapshot()
+                return {"status": "ok", "engine_restarts": engine.restarts}
+        except errors.Unavailable:
+            pass
+        return JSONResponse({"error": "the scheduler is not running",
+                             "error_type": "unavailable",
+                             "engine_restarts": engine.restarts}, status_code=503)
 
-    # /info and /metrics are plain functions: FastAPI runs them in a worker thread, so that
-    # asking an engine in another process (engine_process.py) never holds up the event loop.
     @app.get("/info")
     def info():
         from .. import server
