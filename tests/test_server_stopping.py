@@ -121,8 +121,9 @@ def test_a_signal_ends_every_stream_with_a_last_event_and_exits_0(tmp_path, how)
 
 def test_while_draining_new_requests_get_503_and_running_ones_finish(tmp_path):
     """With a drain time, the streams that finish within it finish; a request that comes
-    meanwhile is refused with a 503 in JSON, and so is /health."""
-    process, url = start(tmp_path, "--drain-seconds", "60")
+    meanwhile is refused with a 503 in JSON, and so is /health. (With the engine in a thread
+    of the server, which says when it is ready as the engine process does.)"""
+    process, url = start(tmp_path, "--drain-seconds", "60", "--engine", "thread")
     outs, threads = streams(url, 2, tokens=40)
     process.send_signal(signal.SIGTERM)
     refused = httpx.post(url + "/generate", json={"inputs": "Jack", "parameters": {}},
@@ -135,6 +136,7 @@ def test_while_draining_new_requests_get_503_and_running_ones_finish(tmp_path):
     assert health.status_code == 503
     assert [last_event(out) for out in outs] == ["finished"] * 2
     assert process.returncode == 0 and "Traceback" not in output, output
+    assert "start-up: the engine is ready" in output
     assert group_is_empty(process.pid)
 
 
