@@ -109,11 +109,9 @@ class Runs:
 class Run:
     """The engine submission of one HTTP request, and the queue its events come on."""
 
-    def __init__(self, engine, call: Call, metrics=None, runs: Runs | None = None):
-        self.engine = engine
+    def __init__(self, state, call: Call):
+        self.engine, self.metrics, self.runs = state.engine, state.metrics, state.runs
         self.call = call
-        self.metrics = metrics
-        self.runs = runs or Runs()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completions: list[Completion] = []
         self.handle: Handle | None = None
@@ -130,10 +128,9 @@ class Run:
         accepted. ``errors.Unavailable`` (503) once the server is stopping."""
         if state.runs.stopping:
             raise errors.Unavailable("the server is shutting down")
-        run = cls(state.engine, call, state.metrics, state.runs)
+        run = cls(state, call)
         submission = Submission(call.params, call.prompts, call.messages, call.best_of)
-        work = asyncio.ensure_future(run_in_threadpool(state.engine.submit, submission,
-                                                       run.sink))
+        work = asyncio.ensure_future(run_in_threadpool(run.engine.submit, submission, run.sink))
         run.runs.active.add(run)
         try:
             handle = await asyncio.shield(work)
@@ -163,8 +160,7 @@ class Run:
         the events."""
         now = self.loop.time()
         for sequence, event in events:
-            if self.metrics is not None and isinstance(event, TokenEvent) and \
-                    event.token is not None:
+            if isinstance(event, TokenEvent) and event.token is not None:
                 self.metrics.observe_token(self.started, self._last_token.get(sequence), now)
                 self._last_token[sequence] = now
             self.queue.put_nowait((sequence, event))
