@@ -32,6 +32,7 @@ PYTHON313   ?= $(shell for p in python3.13 "$$(pyenv root 2>/dev/null)"/versions
 # What Colab ships that the course uses; pip adds their requirements, at Colab's versions too
 COLAB_SHIPS := torch torchao transformers tokenizers safetensors huggingface-hub accelerate peft \
                numpy matplotlib ipywidgets ipython ipykernel tqdm fastapi starlette uvicorn h11 \
+               prometheus-client \
                openai aiohttp requests pydantic httpx nbclient nbformat pytest
 # notebooks run at once by make test-colab (each lesson sets torch to one thread)
 COLAB_JOBS  ?= 2

@@ -82,6 +82,7 @@ KINDS = ("lessons", "workbooks")
 REQUIRED = [("nbclient", "nbclient"), ("nbformat", "nbformat"), ("ipykernel", "ipykernel"),
             ("IPython", "ipython"), ("ipywidgets", "ipywidgets"), ("fastapi", "fastapi"),
             ("starlette", "starlette"), ("uvicorn", "uvicorn"), ("h11", "h11"),
+            ("prometheus_client", "prometheus_client"),
             ("llguidance", "llguidance"), ("openai", "openai"), ("lorax", "lorax-client"),
             ("pydantic", "pydantic"), ("httpx", "httpx"), ("tqdm", "tqdm"),
             ("matplotlib", "matplotlib"), ("peft", "peft"), ("transformers", "transformers"),

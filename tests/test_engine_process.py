@@ -256,3 +256,57 @@ def test_metrics_still_answer_when_the_engine_process_is_gone():
 def test_options_the_engine_refuses_are_a_value_error():
     with pytest.raises(ValueError, match="max_input_tokens .* must be smaller"):
         EngineProcess(settings(max_input_tokens=200, max_total_tokens=100)).start()
+
+
+def counters(page: str) -> dict:
+    """Every counter sample of a /metrics page, read by Prometheus' own text parser:
+    ``{(name, labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(page) if family.type == "counter"
+            for sample in family.samples}
+
+
+def test_counters_never_go_down_across_a_restart_and_cut_requests_count_as_failed():
+    """The engine process dies with two requests running: /health says so at once, and
+    after the restart no counter of /metrics is lower than before, the requests the engine
+    had counted are still counted, and the two cut ones are counted as failed by reason."""
+    import httpx
+
+    from helpers.server import create_app
+
+    engine = EngineProcess(settings()).start()
+    app = create_app(engine, manage_engine=False)
+
+    async def get(path):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return await c.get(path)
+
+    async def two_running_then_killed():
+        queue = asyncio.Queue()
+        params = GenerationParams(max_new_tokens=250, ignore_eos_token=True)
+        for _ in range(2):
+            engine.submit(Submission(params, ["Jack and Jill"]),
+                          sink_to(asyncio.get_running_loop(), queue))
+        await queue.get()                             # they are running
+        running = await get("/metrics")
+        engine._process.kill()
+        return running.text, (await get("/health")).status_code
+
+    try:
+        run(engine, [("Humpty Dumpty sat", GenerationParams(max_new_tokens=4))] * 3)
+        before, health = asyncio.run(two_running_then_killed())
+        assert health == 503
+        assert wait_for(lambda: engine.healthy, timeout=120)
+        after = counters(asyncio.run(get("/metrics")).text)
+        before = counters(before)
+        assert before[("helpers_server_requests_total", ())] == 5
+        lower = {key: (value, after.get(key)) for key, value in before.items()
+                 if not after.get(key, -1) >= value}
+        assert not lower, lower
+        assert after[("helpers_server_failed_total", (("reason", "engine_crash"),))] == 2
+        assert after[("helpers_server_engine_restarts_total", ())] == 1
+    finally:
+        engine.stop()

@@ -14,6 +14,7 @@ tiny random Llama-style model (``tiny_llama`` in conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -255,3 +256,85 @@ def test_top_logprobs_20_gives_20_alternatives_per_token(app_client):
         values = [alt["logprob"] for alt in entry["top_logprobs"]]
         assert values == sorted(values, reverse=True)
         assert entry["logprob"] == pytest.approx(values[0])     # greedy: the likeliest token
+
+
+# --- through the HTTP app: seeds, stop sequences with logprobs, errors in OpenAI's words ----------
+
+def test_each_seed_and_copy_draws_its_own_sample(app_client):
+    """n=3 with seed 1234 and n=3 with seed 1235 share no completion (copies are not seeded
+    seed + 1, seed + 2, ...), and the same request with the same seed gives the same three."""
+    def draw(seed):
+        body = {"model": "tiny", "prompt": "Jack and Jill", "max_tokens": 8, "n": 3,
+                "temperature": 1.0, "seed": seed, "ignore_eos_token": True}
+        reply = app_client("/v1/completions", body)
+        assert reply.status_code == 200, reply.text
+        return {choice["text"] for choice in reply.json()["choices"]}
+
+    first, second = draw(1234), draw(1235)
+    assert len(first) == 3 and len(second) == 3
+    assert not first & second
+    assert draw(1234) == first
+
+
+def _text_and_tokens(route: str, reply, stream: bool) -> tuple[str, list[str]]:
+    """The text an OpenAI answer returns, and the tokens its logprobs list."""
+    chat = "chat" in route
+    if stream:
+        chunks = [json.loads(line[5:]) for line in reply.text.splitlines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+        choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    else:
+        choices = reply.json()["choices"]
+    text, tokens = "", []
+    for choice in choices:
+        logprobs = choice.get("logprobs")
+        if chat:
+            text += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+            tokens += [entry["token"] for entry in (logprobs or {}).get("content") or []]
+        else:
+            text += choice["text"]
+            tokens += (logprobs or {}).get("tokens") or []
+    return text, tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_logprob_tokens_cover_the_text_when_a_stop_begins_inside_a_token(app_client, route,
+                                                                          stream):
+    """A stop sequence that begins inside a token: the text keeps that token's part before
+    the stop, and the tokens listed with their log probabilities still cover the text."""
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos_token": True,
+            **({"messages": USER, "logprobs": True} if "chat" in route
+               else {"prompt": "Jack and Jill", "logprobs": 1})}
+    free, tokens = _text_and_tokens(route, app_client(route, body), False)
+    assert "".join(tokens) == free
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # the first token of two characters or more whose tail and the next token's first
+    # character make a stop sequence found nowhere earlier in the answer
+    stop, cut_at = next((tokens[i][1:] + tokens[i + 1][:1], starts[i] + 1)
+                        for i in range(len(tokens) - 1) if len(tokens[i]) >= 2
+                        and tokens[i + 1] and free.find(tokens[i][1:] + tokens[i + 1][:1])
+                        == starts[i] + 1)
+    text, listed = _text_and_tokens(route, app_client(route, {**body, "stop": [stop],
+                                                              "stream": stream}), stream)
+    assert text == free[:cut_at]
+    assert "".join(listed).startswith(text) and len("".join(listed)) > len(text)
+
+
+def test_an_openai_request_hears_of_the_field_it_sent(app_client):
+    """An adapter named in OpenAI's ``model`` field: the error names ``model``, the field the
+    client sent, not LoRAX's ``adapter_id``."""
+    for route, body in [("/v1/completions", {"prompt": "Jack"}),
+                        ("/v1/chat/completions", {"messages": USER})]:
+        reply = app_client(route, {"model": "sad ", "max_tokens": 2, **body})
+        assert reply.status_code == 422, reply.text
+        message = reply.json()["error"]["message"]
+        assert message.startswith("`model` 'sad '") and "adapter_id" not in message
+
+
+@pytest.mark.parametrize("prompt", [[1.5, 2.5], [[1.0, 2.0]], [5, 6.5], 3.5])
+def test_a_prompt_of_numbers_that_are_not_integers_gets_one_message(prompt):
+    error = refusal(parse_completion, {"model": MODEL, "prompt": prompt})
+    assert error.message.startswith("`prompt` must be a text, a list of texts, a list of "
+                                    "token ids (integers)"), error.message
+    assert error.message.count("`prompt`") == 1 and "(float)" in error.message

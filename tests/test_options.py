@@ -70,5 +70,5 @@ def test_torch_threads_leave_a_core_on_the_cpu(monkeypatch):
     assert torch_threads(None, "cuda:0") == 1     # a GPU's CPU side builds small tensors
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert torch_threads(None, "cpu") == 1
-    with pytest.raises(ValueError, match="--threads must be at least 1"):
+    with pytest.raises(ValueError, match="--threads 0: must be between 1 and"):
         torch_threads(0, "cpu")

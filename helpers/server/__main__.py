@@ -13,13 +13,20 @@ twice before ``--host 0.0.0.0``.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 
-from . import options
+import uvicorn
+
+from . import options, startup
+
+log = logging.getLogger("helpers.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,16 +45,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``(host, port)``, before anything loads: a port in use (a server
+    started earlier and still running) is the commonest mistake, and it should not cost a
+    model load to find. ``ValueError`` naming the flag. Clients are refused until ``listen``."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     if os.name != "nt":
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: in use on {host} (by another program, or a server "
+                             f"started earlier and still running); choose another port, or 0 "
+                             f"for any free one") from None
+        raise ValueError(f"--host {host}: cannot listen there "
+                         f"({err.strerror or err}); 127.0.0.1 is this machine only") from None
     return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping as TGI and vLLM do. On SIGTERM or SIGINT it admits nothing new (503), lets the requests running
+    finish for ``drain`` seconds, ends the others with an error (``serving.Runs.end``), then
+    shuts down and stops the engine: exit status 0, without the signal raised again."""
+
+    def __init__(self, config, runs, drain: float):
+        super().__init__(config)
+        self.runs, self.drain = runs, drain
+        self.deadline: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.deadline is None:
+            log.warning("stopping: %d request(s) running get %g s to finish",
+                        len(self.runs.active), self.drain)
+            self.runs.stopping = True
+            self.deadline = time.monotonic() + self.drain
+        else:                                  # a second Ctrl-C: end them now
+            self.stop_now()
+
+    def stop_now(self) -> None:
+        """Stop without waiting for the requests running (any thread may call it)."""
+        self.runs.stopping = True
+        self.deadline = 0.0
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.deadline is not None and not self.should_exit and (
+                not self.runs.active or time.monotonic() >= self.deadline):
+            self.runs.end("the server is shutting down")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def _watch_parent(server) -> None:
@@ -59,7 +111,7 @@ def _watch_parent(server) -> None:
         if stop.is_set():
             return
         stop.set()
-        server.should_exit = True
+        server.stop_now()
         timer = threading.Timer(15.0, lambda: os._exit(0))   # if a graceful stop hangs
         timer.daemon = True
         timer.start()
@@ -86,8 +138,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Until the server runs, SIGTERM stops the start-up as Ctrl-C does: quietly.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        serve(parser, args)
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: stopped before it was ready", file=sys.stderr)
 
-    import uvicorn
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from .engine_process import torch_threads
+
+    try:                                  # every flag checked before anything loads
+        if args.threads is not None:
+            torch_threads(args.threads, "cpu")
+        if not args.drain_seconds >= 0:
+            raise ValueError(f"--drain-seconds {args.drain_seconds}: must be 0 or more")
+        sock = _bind(args.host, args.port)
+    except ValueError as err:
+        parser.error(str(err))
 
     from . import guards
     from .app import create_app
@@ -104,32 +173,40 @@ def main(argv: list[str] | None = None) -> None:
         gave_up.append(message)
         server.should_exit = True
 
+    began = time.monotonic()
     try:
-        engine = (EngineProcess(settings, on_give_up=give_up).start()
-                  if args.engine == "process" else build_engine(settings))
+        if args.engine == "process":
+            engine = EngineProcess(settings, on_give_up=give_up).start()
+        else:
+            engine = build_engine(settings)
+            startup.report("the engine is ready (%.1f s)", time.monotonic() - began)
     except ValueError as err:
         parser.error(str(err))
     except RuntimeError as err:           # the engine's own log above says where
         print(f"{parser.prog}: error: the engine could not start: {err}", file=sys.stderr)
         sys.exit(1)
-    app = create_app(engine)
-    if guards.is_loopback(args.host):     # only this machine's names (see LoopbackHosts)
-        app.add_middleware(guards.LoopbackHosts)
-    sock = _listen(args.host, args.port)
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=3, lifespan="on",
-                            http=guards.http_protocol())    # slow headers are cut off
-    server = uvicorn.Server(config)
-    if args.watch_stdin:
-        _watch_parent(server)
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
-    print(f"helpers.server: serving {engine.model_id} on http://{args.host}:{port}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        app = create_app(engine)
+        if guards.is_loopback(args.host):     # only this machine's names (see LoopbackHosts)
+            app.add_middleware(guards.LoopbackHosts)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                timeout_graceful_shutdown=3, lifespan="on",
+                                http=guards.http_protocol())    # slow headers are cut off
+        server = Server(config, app.state.runs, args.drain_seconds)
+        if args.watch_stdin:
+            _watch_parent(server)
+        if args.port_file:
+            tmp = args.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(port))
+            os.replace(tmp, args.port_file)
+        print(f"helpers.server: serving {engine.model_id} on http://{args.host}:{port}",
+              flush=True)
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()                     # also when the start-up was interrupted
     if gave_up:
         sys.exit(f"helpers.server: {gave_up[0]}")      # exit status 1
 

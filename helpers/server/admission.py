@@ -11,6 +11,7 @@ ranges were checked at the door, by ``GenerationParams.check``.) The scheduler
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 
@@ -77,12 +78,17 @@ class Admission:
         return [self._admit_one(prompt, params) for prompt in prompts]
 
     def seeds(self, params: GenerationParams, copies: int) -> list[int | None]:
-        """The sampling seeds of one prompt's copies: the request's seed and the next ones, or
-        drawn at random; None for greedy decoding."""
+        """The sampling seeds of one prompt's copies (None for greedy decoding): the first
+        is the request's seed (or one drawn at random), each next one a hash of it and the
+        copy's number. Not ``seed + number``: seed 1234 with n=3 would then share two of its
+        samples with seed 1235, and an evaluation that draws samples per seed would count
+        the same sample twice."""
         if not params.sampling:
             return [None] * copies
         first = params.seed if params.seed is not None else secrets.randbits(63)
-        return [(first + number) % 2**64 for number in range(copies)]
+        return [first] + [int.from_bytes(hashlib.blake2b(f"{first}/{number}".encode(),
+                                                         digest_size=8).digest(), "big")
+                          for number in range(1, copies)]
 
     # --- one prompt ----------------------------------------------------------------------------
 

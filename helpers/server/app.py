@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import errors, guards, metrics, routes_lorax, routes_openai
+from . import errors, guards, metrics, routes_lorax, routes_openai, serving
 from .contract import MAX_STOP_SEQUENCES, EngineClient
 from .protocol import MAX_BEST_OF, ApiError, describe_validation_errors, invalid
 
@@ -99,6 +99,7 @@ def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics.Metrics()       # what the clients saw: latencies, statuses
+    app.state.runs = serving.Runs()             # the requests in flight
     add_error_handlers(app)
     app.include_router(routes_lorax.router)
     app.include_router(routes_openai.router)
@@ -152,16 +153,24 @@ def add_error_handlers(app: FastAPI) -> None:
 def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
     """/health, /info and /metrics."""
 
+    # Plain functions: FastAPI runs them in a worker thread, so that asking an engine in
+    # another process (engine_process.py) never holds up the event loop.
     @app.get("/health")
-    async def health():
-        if not engine.healthy:
-            return JSONResponse({"error": "the scheduler is not running",
-                                 "error_type": "unavailable",
-                                 "engine_restarts": engine.restarts}, status_code=503)
-        return {"status": "ok", "engine_restarts": engine.restarts}
+    def health():
+        """200 only if the engine answers now: a process killed a moment ago still looks
+        alive until the system has reaped it, but it answers nothing."""
+        if app.state.runs.stopping:
+            return error_response("the server is shutting down", "unavailable", 503)
+        try:
+            if engine.healthy:
+                engine.snapshot()
+                return {"status": "ok", "engine_restarts": engine.restarts}
+        except errors.Unavailable:
+            pass
+        return JSONResponse({"error": "the scheduler is not running",
+                             "error_type": "unavailable",
+                             "engine_restarts": engine.restarts}, status_code=503)
 
-    # /info and /metrics are plain functions: FastAPI runs them in a worker thread, so that
-    # asking an engine in another process (engine_process.py) never holds up the event loop.
     @app.get("/info")
     def info():
         from .. import server

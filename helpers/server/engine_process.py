@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as NoAnswerYet   # Python 3.10: not TimeoutError
 from dataclasses import dataclass, field
 
-from . import errors, startup
+from . import errors, metrics, startup
 from .contract import ErrorEvent, Handle, Sink, Submission
 
 log = logging.getLogger("helpers.server")
@@ -119,8 +120,8 @@ class Events:                 # engine -> HTTP: one step's events
 
 
 @dataclass
-class Alive:                  # engine -> HTTP: the heartbeat
-    pass
+class Alive:                  # engine -> HTTP: the heartbeat, with the engine's counters
+    counters: dict
 
 
 @dataclass
@@ -147,18 +148,21 @@ def torch_threads(requested: int | None, device) -> int | None:
     step's small index tensors and launches kernels, and waking a pool of threads for tensors
     of a few thousand numbers costs more than it saves (measured on an H200 with 16 cores:
     the inputs of a 64-row step took 8 ms on torch's default 16 threads, 0.3 ms on one)."""
+    cores = os.cpu_count() or 1
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--threads must be at least 1, got {requested}")
+        if not 1 <= requested <= cores:
+            raise ValueError(f"--threads {requested}: must be between 1 and this machine's "
+                             f"{cores} cores")
         return requested
     if str(device).startswith("cpu"):
-        return max(1, (os.cpu_count() or 1) - 1)
+        return max(1, cores - 1)
     return 1
 
 
 def _device(name):
     """The device ``--device`` names (None: CUDA when there is one), checked before anything
-    loads: ValueError for a name torch does not know or a CUDA this machine lacks."""
+    loads: ValueError for a name torch does not know, a device this machine lacks (CUDA, a
+    second GPU, MPS off a Mac) or one that holds no data (meta)."""
     import torch
 
     from ..models import default_device
@@ -170,9 +174,16 @@ def _device(name):
     except RuntimeError:
         raise ValueError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:1, "
                          f"mps, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA "
-                         f"device; leave --device out to use the CPU")
+    if device.type == "meta":
+        raise ValueError(f"--device {name}: a meta tensor has a shape and no values, so a "
+                         f"model there cannot generate; use cpu or cuda")
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    count = getattr(backend, "device_count", lambda: 1)
+    if device.type != "cpu" and not (getattr(backend, "is_available", lambda: False)()
+                                     and (device.index or 0) < count()):
+        raise ValueError(f"--device {name}: this machine's torch ({torch.__version__}) has no "
+                         f"such device; leave --device out to use "
+                         f"{default_device().type}")
     return device
 
 
@@ -224,7 +235,11 @@ def build_engine(settings: dict):
 
 def run_engine_process(conn, settings: dict) -> None:
     """The engine process: build the engine, say ``Ready`` (or why not), then serve commands
-    until told to stop or until the HTTP process goes away (its end of the pipe closes)."""
+    until told to stop or until the HTTP process goes away (its end of the pipe closes).
+    Ctrl-C and a SIGTERM sent to the whole process group are left to the HTTP process: it
+    drains its requests first, then stops this one (``Stop``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=settings["log_level"].upper(),
                         format="%(levelname)s %(name)s (engine): %(message)s")
     started = time.monotonic()
@@ -242,6 +257,10 @@ def run_engine_process(conn, settings: dict) -> None:
     startup.report("the engine is ready (%.1f s)", time.monotonic() - started)
     conn.send(Ready({name: getattr(engine, name) for name in LIMITS}))
     _EngineSide(conn, engine).serve()
+    # Stopped, and said so. What is left is the interpreter tearing torch and the model down,
+    # which took seconds on a busy CPU and does nothing that matters: leave at once.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _EngineSide:
@@ -273,7 +292,7 @@ class _EngineSide:
             while True:
                 if time.monotonic() >= next_beat:   # on a clock, however busy the pipe is
                     self._check_health()
-                    self.send(Alive())
+                    self.send(Alive(self.snapshot()))
                     next_beat = time.monotonic() + HEARTBEAT
                 if not self.conn.poll(HEARTBEAT):
                     continue
@@ -364,6 +383,11 @@ class EngineProcess:
         self._restarting = False
         self._stopping = False
         self._process = None
+        #: The counters of the engine processes that died, and the latest ones heard from the
+        #: running one: a restart never sets /metrics back.
+        self._carried: dict = {}
+        self._latest: dict = {}
+        self._cut = 0                         # sequences a crash ended (counted as failed)
 
     # --- life cycle -------------------------------------------------------------------------
 
@@ -410,7 +434,10 @@ class EngineProcess:
         if self._process is None:
             try:
                 self._start_process()
-            except BaseException:
+            except BaseException:             # refused, failed, or Ctrl-C while loading
+                if self._process is not None and self._process.is_alive():
+                    self._process.kill()
+                    self._process.join(5)
                 self._process = None           # a later start() tries again
                 raise
         return self
@@ -472,7 +499,17 @@ class EngineProcess:
             pass
 
     def snapshot(self) -> dict:
-        return self._ask("snapshot")
+        """The running engine's counters plus those of the engine processes that died before
+        it, and every sequence a crash cut counted as failed: they never go down."""
+        now = self._ask("snapshot")
+        self._heard_counters(now)
+        total = metrics.combine(self._carried, now)
+        total["failed"] = {"error": total.get("failed", 0), "engine_crash": self._cut}
+        return total
+
+    def _heard_counters(self, counters: dict) -> None:
+        with self._lock:         # the heartbeat's and a snapshot's: whichever is further on
+            self._latest = metrics.combine(self._latest, counters, max)
 
     def info(self) -> dict:
         return {**self._ask("info"), "engine": "process", "engine_restarts": self.restarts}
@@ -538,7 +575,9 @@ class EngineProcess:
             while True:
                 message = self._conn.recv()
                 self._heard = time.monotonic()
-                if isinstance(message, Events):
+                if isinstance(message, Alive):
+                    self._heard_counters(message.counters)
+                elif isinstance(message, Events):
                     self._deliver(message.items)
                 elif isinstance(message, Answer):
                     with self._lock:
@@ -555,6 +594,9 @@ class EngineProcess:
             if crashed:
                 self._process.join(1)
                 log.error("the engine process ended (exit code %s)", self._process.exitcode)
+                with self._lock:
+                    self._carried = metrics.combine(self._carried, self._latest)
+                    self._latest = {}
         finally:
             self._failure = self._failure or "the engine process ended"
             self._fail_everything(crashed)
@@ -587,6 +629,8 @@ class EngineProcess:
                                            "engine process stopped)")))
         why = ("the server's engine process stopped; it is being restarted" if crashed
                else "the server's engine process stopped")
+        if crashed:
+            self._cut += sum(h.sequences - h.done for h in handles if h.sequences)
         for handle in handles:      # one error ends the whole submission (sequence: None)
             handle.done = handle.sequences
             handle.deliver([(None, ErrorEvent(why, status=503, error_type="unavailable"))])

@@ -15,9 +15,14 @@ HTTP answers are counted by status code by ``CountResponses``.
 
 from __future__ import annotations
 
-import bisect
 import math
+import operator
 import threading
+
+import prometheus_client
+
+# Each histogram's own series only (not a "_created" time beside each).
+prometheus_client.disable_created_metrics()
 
 PREFIX = "helpers_server_"
 
@@ -34,7 +39,9 @@ ENGINE_METRICS = {
     "tokens": ("counter", "Tokens generated, all rows together."),
     "finished": ("counter", "Requests that finished (end of text, stop sequence or length)."),
     "cancelled": ("counter", "Requests dropped because their client went away."),
-    "failed": ("counter", "Requests that failed after they were accepted."),
+    "failed": ("counter", "Requests that failed after they were accepted, by reason: error "
+                          "(the request failed in the engine) or engine_crash (the engine's "
+                          "process died under it)."),
     "rejected_overloaded": ("counter", "Requests refused because the queue was full (429)."),
     "steps_prefill": ("counter", "Forward passes that read new prompts (on the paged cache, "
                                  "with the running rows' next tokens in the same pass)."),
@@ -76,8 +83,27 @@ ENGINE_METRICS = {
 }
 
 # Figures counted by a label: every label has a sample from the start (0 until it happens),
-# with or without graphs, so that a dashboard's query finds the series.
-LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows")}
+# with or without graphs, so that a dashboard's query finds the series. A plain number counts
+# under the first label.
+LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows"),
+          "failed": ("error", "engine_crash")}
+
+
+def combine(first: dict, second: dict, how=operator.add) -> dict:
+    """``second`` (a ``snapshot()``) with each of its counters combined with ``first``'s:
+    added (what engine processes that died had counted, carried over to the next) or the
+    larger taken. Gauges are ``second``'s: they say what is, not what was."""
+    out = dict(second)
+    for key, mine in first.items():
+        if ENGINE_METRICS.get(key, ("counter",))[0] != "counter":
+            continue
+        theirs = out.get(key, {} if isinstance(mine, dict) else 0)
+        if isinstance(mine, dict):
+            out[key] = {label: how(mine.get(label, 0), theirs.get(label, 0))
+                        for label in {**mine, **theirs}}
+        else:
+            out[key] = how(mine, theirs)
+    return out
 
 
 def _number(value: float) -> str:
@@ -87,36 +113,6 @@ def _number(value: float) -> str:
     if float(value).is_integer() and abs(value) < 2**53:
         return str(int(value))
     return repr(float(value))
-
-
-class Histogram:
-    """Counts of observations at or below each bucket edge, their sum and count.
-    Thread-safe: the thread that hands out tokens observes, a worker thread renders."""
-
-    def __init__(self, name: str, help: str, buckets):
-        self.name, self.help = name, help
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)     # the last: above every edge
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self.buckets, value)  # first edge >= value: le is "<="
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += value
-
-    def lines(self) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for edge, count in zip(self.buckets + (math.inf,), counts):
-            cumulative += count
-            le = "+Inf" if edge == math.inf else repr(float(edge))
-            out.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        out += [f"{self.name}_sum {_number(total)}", f"{self.name}_count {cumulative}"]
-        return out
 
 
 class Metrics:
@@ -129,13 +125,19 @@ class Metrics:
     """
 
     def __init__(self):
-        self.ttft = Histogram(
+        # prometheus_client keeps and writes the histograms (thread-safe: the thread that
+        # hands out tokens observes, a worker thread renders). The other figures are written
+        # below: it would rename each counter <name>_total and write 528 as 528.0.
+        self.histograms = prometheus_client.CollectorRegistry()
+        self.ttft = prometheus_client.Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Seconds from the moment a request was read to its first generated token "
-            "(admission, queueing and prefill included).", TTFT_BUCKETS)
-        self.per_token = Histogram(
+            "(admission, queueing and prefill included).", buckets=TTFT_BUCKETS,
+            registry=self.histograms)
+        self.per_token = prometheus_client.Histogram(
             PREFIX + "time_per_output_token_seconds",
-            "Seconds between two consecutive generated tokens of one request.", TOKEN_BUCKETS)
+            "Seconds between two consecutive generated tokens of one request.",
+            buckets=TOKEN_BUCKETS, registry=self.histograms)
         self._responses: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -169,7 +171,7 @@ class Metrics:
             value = snapshot.get(key, 0)
             if key in LABELS or isinstance(value, dict):      # one sample per reason
                 counts = {**dict.fromkeys(LABELS.get(key, ()), 0),
-                          **(value if isinstance(value, dict) else {})}
+                          **(value if isinstance(value, dict) else {LABELS[key][0]: value})}
                 lines += [f'{name}{{reason="{reason}"}} {_number(count)}'
                           for reason, count in sorted(counts.items())]
             else:
@@ -185,8 +187,8 @@ class Metrics:
         lines += [f"# HELP {name} Requests answered with a 4xx status (refused at the door, "
                   f"not found, or the queue was full).", f"# TYPE {name} counter",
                   f"{name} {rejected}"]
-        lines += self.ttft.lines() + self.per_token.lines()
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + prometheus_client.generate_latest(
+            self.histograms).decode()
 
 
 #: The content type of Prometheus' text format.

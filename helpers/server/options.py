@@ -78,6 +78,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", int, None, "torch CPU threads (default: on the CPU, every core but one, "
            "at least one, so that the HTTP side and the clients keep a core; on a GPU, one: "
            "the CPU then only builds small index tensors and launches kernels)"),
+    # A few seconds: `docker stop` kills after 10 s, and a stream cut without a word is worse
+    # than one told why.
+    Option("drain_seconds", float, 5.0, "on SIGTERM or Ctrl-C, the seconds the requests already "
+           "running may take to finish (new ones get 503) before the rest are ended with an "
+           "error and the server exits"),
     Option("log_level", str, "warning", "how much the server logs",
            choices=("critical", "error", "warning", "info", "debug")),
 )

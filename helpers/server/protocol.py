@@ -478,6 +478,14 @@ def _check_prompt_count(data: Any) -> None:
         raise invalid(f"`prompt` holds {len(value)} items; at most {MAX_PROMPTS} per request "
                       f"(a list of texts or of token-id lists is that many prompts; one prompt "
                       f"given as token ids is a flat list of integers)")
+    # A shape that is none of the four: one message, not one per member of the union.
+    items = value if isinstance(value, list) else [value]
+    leaves = [x for item in items for x in (item if isinstance(item, list) else [item])]
+    wrong = [x for x in leaves if not isinstance(x, (str, int)) or isinstance(x, bool)]
+    if value is not None and wrong:
+        raise invalid(f"`prompt` must be a text, a list of texts, a list of token ids "
+                      f"(integers) or a list of such lists; it holds {wrong[0]!r} "
+                      f"({type(wrong[0]).__name__})")
 
 
 def _prompts_of(prompt) -> list:

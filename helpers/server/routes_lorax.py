@@ -32,7 +32,7 @@ async def parse(request: Request) -> Call:
 
 
 async def start(request: Request, call: Call) -> Run:
-    return await Run.start(request.app.state.engine, call, request.app.state.metrics)
+    return await Run.start(request.app.state, call)
 
 
 def top_tokens(engine, token: dict) -> list[dict]:

@@ -37,21 +37,23 @@ def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
     """The generated text as OpenAI returns it (special tokens left out, as vLLM's
     ``skip_special_tokens`` does, and without a matched stop sequence) and the tokens in it,
     each with where it starts in that text. The text is built from the tokens' own pieces, so
-    a streamed answer and a whole one are the same text. No token that holds part of the cut
-    stop sequence is listed, so the tokens may end a few characters before the text does."""
+    a streamed answer and a whole one are the same text. The tokens listed cover the text: the
+    one the stop sequence begins in is listed when part of it is in the text, so the tokens
+    may run a few characters past the text's end."""
     finish = sequence.finish
     stop_at = finish.stop_at if finish.reason == "stop_sequence" else None
     text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
     for token in sequence.tokens:
         piece, start = token["text"], engine_offset
         engine_offset += len(piece)
-        if stop_at is not None and engine_offset > stop_at:
-            # The token the stop sequence starts in: its text before the stop stays in the
-            # answer, the token itself leaves the log probabilities (it holds the stop).
-            text += piece[:max(0, stop_at - start)]
-            break
         if token["special"]:
             continue
+        if stop_at is not None and engine_offset > stop_at:
+            # The token the stop sequence starts in: its text before the stop stays in the
+            # answer, and so does the token, if any of it is there.
+            if stop_at > start:
+                kept.append((len(text), token))
+            return text + piece[:stop_at - start], kept
         kept.append((len(text), token))
         text += piece
     return text, kept
@@ -81,7 +83,12 @@ async def parse(request: Request, parser) -> Call:
 
 
 async def start(request: Request, call: Call) -> Run:
-    return await Run.start(request.app.state.engine, call, request.app.state.metrics)
+    try:
+        return await Run.start(request.app.state, call)
+    except errors.EngineError as err:      # the adapter came in `model`: say that field
+        if err.message.startswith("adapter_id "):
+            raise type(err)("`model`" + err.message[len("adapter_id"):]) from None
+        raise
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -167,10 +174,9 @@ class Held:
         it) is known. (The last token is never released before: it may hold the whole stop
         sequence, a one-character one for instance.)"""
         self.take(last)
-        # A token that reaches past the end of the final text holds (part of) a cut stop
-        # sequence: it is not handed out, as in ``cut``.
-        ready = [(start, t) for start, t in self.pending
-                 if start + len(t["text"]) <= len(final)]
+        # A token that begins at or after the end of the final text holds only the cut stop
+        # sequence: it is not handed out; one that begins before is (as in ``cut``).
+        ready = [(start, t) for start, t in self.pending if start < len(final)]
         self.pending = []
         return self._release(len(final), final), ready
 

@@ -6,7 +6,7 @@ A route (``routes_lorax.py``, ``routes_openai.py``) only translates: its protoco
 protocol's answer. Everything between is here, once:
 
     call = parse(await read_json(request))       # the route's parser; ApiError if wrong
-    run = await Run.start(engine, call)          # engine.submit, in a worker thread
+    run = await Run.start(request.app.state, call)   # engine.submit, in a worker thread
     completions = await run.collect(request)     # non-streaming: every completion, finished
     async for completion, event in run.events(): # streaming: events as they come
     run.close()                                  # cancels what is unfinished (always called)
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import guards
+from . import errors, guards
 from .contract import ErrorEvent, Handle, PromptEvent, Submission, TokenEvent
 from .protocol import ApiError, Call
 
@@ -91,13 +91,27 @@ def pick(completions: list[Completion], n: int) -> list[Completion]:
     return sorted(completions, key=lambda c: -c.mean_logprob())[:n]
 
 
+class Runs:
+    """The runs in flight (``app.state.runs``). A server that is stopping (``__main__.py``)
+    admits no new one, lets these finish for a while, then ``end``s the rest."""
+
+    def __init__(self):
+        self.active: set[Run] = set()
+        self.stopping = False
+
+    def end(self, message: str) -> None:
+        """End every run in flight with a 503 error event: a stream's last event, or the
+        answer of a request that waits for its whole completion."""
+        for run in list(self.active):
+            run._take([(None, ErrorEvent(message, status=503, error_type="unavailable"))])
+
+
 class Run:
     """The engine submission of one HTTP request, and the queue its events come on."""
 
-    def __init__(self, engine, call: Call, metrics=None):
-        self.engine = engine
+    def __init__(self, state, call: Call):
+        self.engine, self.metrics, self.runs = state.engine, state.metrics, state.runs
         self.call = call
-        self.metrics = metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completions: list[Completion] = []
         self.handle: Handle | None = None
@@ -106,17 +120,22 @@ class Run:
         self._last_token: dict[int, float] = {}
 
     @classmethod
-    async def start(cls, engine, call: Call, metrics=None) -> "Run":
-        """Submit the call in a worker thread: admitting it may take a while (tokenizing,
-        loading an adapter, compiling a grammar), and an engine in another process
-        (``engine_process.py``) answers over a pipe. If the client goes away meanwhile, the
-        submission is cancelled once it is accepted."""
-        run = cls(engine, call, metrics)
+    async def start(cls, state, call: Call) -> "Run":
+        """Submit the call to ``state.engine`` (the app's state: engine, metrics, runs) in a
+        worker thread: admitting it may take a while (tokenizing, loading an adapter, compiling
+        a grammar), and an engine in another process (``engine_process.py``) answers over a
+        pipe. If the client goes away meanwhile, the submission is cancelled once it is
+        accepted. ``errors.Unavailable`` (503) once the server is stopping."""
+        if state.runs.stopping:
+            raise errors.Unavailable("the server is shutting down")
+        run = cls(state, call)
         submission = Submission(call.params, call.prompts, call.messages, call.best_of)
-        work = asyncio.ensure_future(run_in_threadpool(engine.submit, submission, run.sink))
+        work = asyncio.ensure_future(run_in_threadpool(run.engine.submit, submission, run.sink))
+        run.runs.active.add(run)
         try:
             handle = await asyncio.shield(work)
         except BaseException:
+            run.runs.active.discard(run)
             work.add_done_callback(run._cancel_after)
             raise
         run._started(handle)
@@ -141,8 +160,7 @@ class Run:
         the events."""
         now = self.loop.time()
         for sequence, event in events:
-            if self.metrics is not None and isinstance(event, TokenEvent) and \
-                    event.token is not None:
+            if isinstance(event, TokenEvent) and event.token is not None:
                 self.metrics.observe_token(self.started, self._last_token.get(sequence), now)
                 self._last_token[sequence] = now
             self.queue.put_nowait((sequence, event))
@@ -157,6 +175,7 @@ class Run:
     def close(self) -> None:
         """Cancel the submission if it has not finished (the client went away, or an error
         ended the run). Safe to call twice."""
+        self.runs.active.discard(self)
         if self.handle is not None and not self.handle.finished:
             self.engine.cancel(self.handle)
 
