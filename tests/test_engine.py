@@ -10,6 +10,7 @@ the HTTP side does.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -262,6 +263,13 @@ def test_typical_p_keeps_the_typical_tokens():
     kept = sampling.typical_filter(logits, 0.7).isfinite().tolist()
     assert kept == [True, True, False, False]           # 0.25 + 0.5 covers 0.7
     assert sampling.typical_filter(logits, 1.0).isfinite().all()
+
+
+def test_min_p_filter_keeps_the_tokens_near_the_likeliest():
+    logits = torch.tensor([0.0, 1.0, 2.0, 2.0 + math.log(0.5) + 1e-6])   # p ∝ 1, e, e², e²/2
+    assert sampling.min_p_filter(logits, 0.5).isfinite().tolist() == [False, False, True, True]
+    assert sampling.min_p_filter(logits, 1.0).isfinite().tolist() == [False, False, True, False]
+    assert sampling.min_p_filter(logits, 0.0).isfinite().all()
 
 
 def test_top_k_and_top_p_filters():

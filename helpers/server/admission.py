@@ -158,6 +158,18 @@ class Admission:
             text = text[-(keep + 1) * chars_per_token:]
         return encode_text(self._encoder or self.tokenizer, text)
 
+    def tokenize(self, text: str) -> list[dict]:
+        """TGI's ``/tokenize``: the tokens of ``text`` read as a prompt is read (its limits
+        too), each with its id, its text and where that text starts and stops in ``text``."""
+        ids = self._tokenize(text, None)
+        if self._encoder is not None:
+            offsets = self._encoder.encode(text, add_special_tokens=True).offsets
+        else:
+            offsets = self.tokenizer(text, split_special_tokens=True,
+                                     return_offsets_mapping=True)["offset_mapping"]
+        return [{"id": token, "text": text[start:stop], "start": start, "stop": stop}
+                for token, (start, stop) in zip(ids, offsets)]
+
     def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
         """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
         if len(ids) > self.max_input_tokens and truncate is None:

@@ -72,7 +72,8 @@ class GenerationParams:
     """One request's generation settings, in the engine's terms. (Lesson 07.)
 
     max_new_tokens None means "the server's default". Sampling is on when ``do_sample`` is set
-    or when any of temperature / top_k / top_p / typical_p is given (as in TGI and LoRAX);
+    or when any of temperature / top_k / top_p / typical_p / min_p is given (as in TGI and
+    LoRAX);
     otherwise decoding is greedy. ``grammar`` constrains the output: ``("json", schema)``
     (JSON mode) or ``("regex", pattern)``; None is free text. A matched stop sequence stays
     in the text (as in LoRAX); the OpenAI route cuts the text before it.
@@ -82,7 +83,8 @@ class GenerationParams:
     token's log probability (LoRAX/TGI ``decoder_input_details``, OpenAI ``echo`` with
     ``logprobs``). The penalties follow OpenAI: ``frequency_penalty`` is subtracted from a
     token's logit once per time it was generated so far, ``presence_penalty`` once if it was;
-    ``logit_bias`` adds a fixed amount to listed token ids.
+    ``logit_bias`` adds a fixed amount to listed token ids. ``min_p`` (vLLM's and
+    transformers') keeps only the tokens at least ``min_p`` times as likely as the likeliest.
     """
 
     max_new_tokens: int | None = None
@@ -107,19 +109,21 @@ class GenerationParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     prompt_logprobs: bool = False
+    min_p: float | None = None
 
     @property
     def sampling(self) -> bool:
         """True when the next token is drawn at random (else: the most likely one)."""
         return bool(self.do_sample or self.temperature is not None or self.top_k is not None
-                    or self.top_p is not None or self.typical_p is not None)
+                    or self.top_p is not None or self.typical_p is not None
+                    or self.min_p is not None)
 
     def greedy_if_zero(self) -> "GenerationParams":
         """Temperature 0 means "always the most likely token" (OpenAI, vLLM, TGI's clients):
         the same as greedy decoding, on every route."""
         if self.temperature is not None and self.temperature == 0:
             self.temperature, self.do_sample = None, False
-            self.top_k = self.top_p = self.typical_p = None
+            self.top_k = self.top_p = self.typical_p = self.min_p = None
         return self
 
     def check(self, prefix: str = "") -> "GenerationParams":
@@ -131,7 +135,7 @@ class GenerationParams:
         def bad(name: str, rule: str, value) -> InvalidRequest:
             return InvalidRequest(f"`{prefix}{name}` {rule}, got {value!r}")
 
-        for name in ("temperature", "top_p", "repetition_penalty", "typical_p",
+        for name in ("temperature", "top_p", "repetition_penalty", "typical_p", "min_p",
                      "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(
@@ -148,6 +152,7 @@ class GenerationParams:
             ("top_k", self.top_k, lambda v: v >= 1, "must be strictly positive"),
             ("top_p", self.top_p, lambda v: 0 < v <= 1, "must be > 0 and <= 1"),
             ("typical_p", self.typical_p, lambda v: 0 < v <= 1, "must be > 0 and <= 1 (1 is none)"),
+            ("min_p", self.min_p, lambda v: 0 <= v <= 1, "must be between 0 and 1 (0 is none)"),
             ("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, "must be between 0 and 2**64 - 1"),
             ("truncate", self.truncate, lambda v: v >= 1, "must be strictly positive"),
             ("repetition_penalty", self.repetition_penalty, lambda v: low <= v <= high,
@@ -342,5 +347,8 @@ class EngineClient(Protocol):
     def info(self) -> dict: ...
 
     def adapters_available(self) -> list[str]: ...
+
+    def tokenize(self, text: str) -> list[dict]:
+        """TGI's /tokenize: each token of ``text`` as a prompt: id, text, start, stop."""
 
     def adapters_loaded(self) -> list[str]: ...

@@ -365,6 +365,9 @@ class Engine:
             "engine_restarts": self.restarts,
         }
 
+    def tokenize(self, text: str) -> list[dict]:
+        return self.admission.tokenize(text)
+
     def adapters_available(self) -> list[str]:
         return self.adapters.available()
 

@@ -86,9 +86,10 @@ class Cancel:                 # HTTP -> engine: its client went away
 
 
 @dataclass
-class Ask:                    # HTTP -> engine: one of _EngineSide.questions
+class Ask:                    # HTTP -> engine: one of _EngineSide.questions, with its arguments
     call: int
     question: str
+    args: tuple = ()
 
 
 @dataclass
@@ -277,7 +278,7 @@ class _EngineSide:
         #: What the HTTP side may ask (``Ask``), and who answers.
         self.questions = {"snapshot": self.snapshot, "info": engine.info,
                           "adapters_available": engine.adapters_available,
-                          "adapters_loaded": engine.adapters_loaded}
+                          "adapters_loaded": engine.adapters_loaded, "tokenize": engine.tokenize}
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -315,7 +316,7 @@ class _EngineSide:
             if handle is not None:
                 self.engine.cancel(handle)
         elif isinstance(message, Ask) and message.question in self.questions:
-            self._answer(message.call, self.questions[message.question])
+            self._answer(message.call, self.questions[message.question], *message.args)
         else:
             log.error("unknown message from the HTTP process: %r", message)
 
@@ -520,14 +521,17 @@ class EngineProcess:
     def adapters_loaded(self) -> list[str]:
         return self._ask("adapters_loaded")
 
+    def tokenize(self, text: str) -> list[dict]:
+        return self._ask("tokenize", text)
+
     # --- talking to the engine process -------------------------------------------------------
 
     def _send(self, message) -> None:
         with self._lock:
             self._conn.send(message)
 
-    def _ask(self, question: str):
-        return self._call("ask", lambda call: Ask(call, question))
+    def _ask(self, question: str, *args):
+        return self._call("ask", lambda call: Ask(call, question, args))
 
     def _call(self, kind: str, message, late=None):
         """Send ``message(call)`` and wait for its answer, ``ANSWER_SECONDS[kind]`` at most;

@@ -141,6 +141,7 @@ class LoraxParameters(_Strict):
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     truncate: int | None = None
     typical_p: float | None = None
     best_of: int | None = None
@@ -182,6 +183,7 @@ class _OpenAISampling(_Strict):
     api_token: str | None = None
     repetition_penalty: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     ignore_eos_token: bool | None = None
 
 
@@ -373,7 +375,7 @@ def parse_lorax(data: Any) -> Call:
         repetition_penalty=p.repetition_penalty, ignore_eos_token=bool(p.ignore_eos_token),
         truncate=p.truncate, details=bool(p.details), return_full_text=bool(p.return_full_text),
         alternatives=alternatives, adapter_id=p.adapter_id, adapter_source=p.adapter_source,
-        api_token=p.api_token, typical_p=p.typical_p,
+        api_token=p.api_token, typical_p=p.typical_p, min_p=p.min_p,
         frequency_penalty=p.frequency_penalty or 0.0,
         prompt_logprobs=bool(p.decoder_input_details),
         grammar=_grammar_of(p.response_format, p.grammar, "parameters."))
@@ -432,7 +434,8 @@ def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | No
     params = GenerationParams(
         max_new_tokens=max_tokens, stop=stop, temperature=request.temperature,
         top_p=None if request.top_p in (None, 1, 1.0) else request.top_p,
-        top_k=request.top_k, seed=request.seed, repetition_penalty=request.repetition_penalty,
+        top_k=request.top_k, min_p=request.min_p, seed=request.seed,
+        repetition_penalty=request.repetition_penalty,
         ignore_eos_token=bool(request.ignore_eos_token), details=True,
         alternatives=alternatives, adapter_id=adapter_of(request.model, model_id),
         adapter_source=request.adapter_source, api_token=request.api_token,

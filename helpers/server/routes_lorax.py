@@ -5,6 +5,8 @@
                             InferenceClient call)
     POST /generate          one answer (a JSON object)
     POST /generate_stream   server-sent events, one per token, ``data:{json}``
+    POST /tokenize          TGI's: the prompt's tokens (id, text, start, stop), read as
+                            /generate reads it
 
 A LoRAX answer is ``{"generated_text", "details"}``; ``details`` lists every generated token
 (id, text, log probability, special, and ``alternative_tokens`` when
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from . import guards
 from .contract import TokenEvent
@@ -139,3 +142,10 @@ async def generate_stream(request: Request):
         raise invalid("`parameters.best_of` > 1 cannot be streamed (as in LoRAX): use "
                       "/generate, or best_of 1")
     return await stream(request, call)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    call = await parse(request)                     # the body /generate takes
+    return JSONResponse(await run_in_threadpool(request.app.state.engine.tokenize,
+                                                call.prompts[0]))

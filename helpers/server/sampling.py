@@ -92,6 +92,13 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.index_fill(0, order[drop], float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Min-p sampling (vLLM's and transformers' ``min_p``): the tokens at least ``p`` times as
+    likely as the likeliest stay; the likeliest always stays."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p * probs.max(), float("-inf"))
+
+
 def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Typical sampling (Meister et al., 2022; transformers' ``typical_p``): rank tokens by how
     far their surprise (-log prob) is from the distribution's entropy, closest first, and keep
@@ -110,9 +117,9 @@ def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from a row's logits: temperature, then top-k, top-p and typical-p, with
-    the request's ``generator``. Returns the token and its log probability under the
-    distribution it was drawn from."""
+    """Draw one token from a row's logits: temperature, then top-k, top-p, typical-p and
+    min-p, with the request's ``generator``. Returns the token and its log probability under
+    the distribution it was drawn from."""
     x = logits.detach().to("cpu", torch.float32)
     if params.temperature is not None:
         x = x / params.temperature
@@ -122,6 +129,8 @@ def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[in
         x = top_p_filter(x, params.top_p)
     if params.typical_p is not None:
         x = typical_filter(x, params.typical_p)
+    if params.min_p is not None:
+        x = min_p_filter(x, params.min_p)
     check_finite(x)
     logprobs = torch.log_softmax(x, dim=-1)
     token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
