@@ -315,6 +315,22 @@ class Handle:
             log.exception("the sink of submission %s failed; its events are dropped", self.id)
 
 
+def deliver(items: list) -> list[Handle]:
+    """One step's events to their submissions' sinks: ``items`` is ``[(handle, sequence,
+    event), ...]``. Each handle counts the sequences that finished and gets one call with its
+    events, in order. Returns the handles whose last sequence finished. (The engine's thread
+    calls it, and so does the HTTP process for the events of the engine's process.)"""
+    by_handle: dict[Handle, list] = {}
+    finished = []
+    for handle, sequence, event in items:
+        if handle.count(event):
+            finished.append(handle)
+        by_handle.setdefault(handle, []).append((sequence, event))
+    for handle, events in by_handle.items():
+        handle.deliver(events)
+    return finished
+
+
 class EngineClient(Protocol):
     """What the HTTP side uses of an engine: ``Engine`` and ``EngineProcess`` both offer it."""
 

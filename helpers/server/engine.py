@@ -45,7 +45,7 @@ from .adapters import AdapterStore
 from .admission import Admission, Admitted
 from .choosing import TokenChooser, guarded
 from .contract import (ErrorEvent, Finish, GenerationParams, Handle, Sink, Submission,
-                       TokenEvent)
+                       TokenEvent, deliver)
 from .detok import IncrementalDecoder
 from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
@@ -514,14 +514,8 @@ class Engine:
 
 
 def deliver_to_sinks(outgoing: list[tuple[Sequence, object]]) -> None:
-    """A step's events to their submissions' sinks: one call per submission, with its events
-    as ``(sequence, event)`` in order. A submission's ``done`` counts its finished sequences."""
-    by_handle: dict[Handle, list] = {}
-    for request, event in outgoing:
-        request.handle.count(event)
-        by_handle.setdefault(request.handle, []).append((request.sequence, event))
-    for handle, events in by_handle.items():
-        handle.deliver(events)
+    """A step's events to their submissions' sinks (``contract.deliver``)."""
+    deliver([(sequence.handle, sequence.sequence, event) for sequence, event in outgoing])
 
 
 def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,

@@ -43,7 +43,7 @@ from concurrent.futures import TimeoutError as NoAnswerYet   # Python 3.10: not 
 from dataclasses import dataclass, field
 
 from . import errors, metrics, startup
-from .contract import ErrorEvent, Handle, Sink, Submission
+from .contract import ErrorEvent, Handle, Sink, Submission, deliver
 
 log = logging.getLogger("helpers.server")
 
@@ -608,18 +608,13 @@ class EngineProcess:
             self._restart()
 
     def _deliver(self, items: list) -> None:
-        """One step's events, to their submissions' sinks (one call per submission)."""
-        by_handle: dict[Handle, list] = {}
+        """One step's events, to their submissions' sinks (those not cancelled meanwhile)."""
         with self._lock:
-            for number, sequence, event in items:
-                handle = self._handles.get(number)
-                if handle is None:            # cancelled: nobody listens
-                    continue
-                if handle.count(event):
-                    del self._handles[number]
-                by_handle.setdefault(handle, []).append((sequence, event))
-        for handle, events in by_handle.items():
-            handle.deliver(events)
+            known = [(self._handles[number], sequence, event)
+                     for number, sequence, event in items if number in self._handles]
+        for handle in deliver(known):
+            with self._lock:
+                self._handles.pop(handle.id, None)
 
     def _fail_everything(self, crashed: bool) -> None:
         """The engine process is gone: every submission still waiting for it gets an error."""
