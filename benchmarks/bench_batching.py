@@ -38,17 +38,17 @@ import sys
 import torch
 import transformers
 
+from benchmarks import PROMPTS
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   pyplot, save_figure, verdicts, write_results)
-from benchmarks.timing import Candidate, time_in_turns
+                                   verdicts, write_results)
+from benchmarks.timing import time_in_turns, traced
 from helpers import load_model
-from helpers.batching import (Trace, generate_batched, generate_continuous, generate_static,
+from helpers.batching import (generate_batched, generate_continuous, generate_static,
                               ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
-           "Jack and Jill", "Humpty Dumpty sat"]
 BATCH_SIZE = 8
 LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 TARGETS = {"speedup": 3.0, "steps_over_ideal": 1.15, "ours_over_generate": 1.2}
@@ -67,15 +67,6 @@ def long_tailed_queue(n=128, seed=0, scale=8, alpha=1.5, cap=200):
     rng = random.Random(seed)
     return [(PROMPTS[i % len(PROMPTS)], min(cap, round(scale * rng.paretovariate(alpha))))
             for i in range(n)]
-
-
-def traced(driver, *args, **kwargs) -> Candidate:
-    """A driver call to time by its own ``Trace`` (whose clock covers the whole run); the
-    candidate returns (answers, trace)."""
-    def run():
-        trace = Trace()
-        return driver(*args, trace=trace, **kwargs), trace
-    return Candidate(run, clock=lambda out: out[1].seconds)
 
 
 def run_drivers(model, tokenizer, queue, reps, stop_at_eos, batch_size=BATCH_SIZE):

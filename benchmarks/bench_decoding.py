@@ -44,8 +44,9 @@ import time
 import torch
 import transformers
 
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   pyplot, save_figure, verdicts, write_results)
+                                   verdicts, write_results)
 from benchmarks.timing import Candidate, crop_cache, time_in_turns
 from helpers.generation import generate_no_cache, generate_with_cache, kv_cache_bytes_for
 from helpers.models import load_model

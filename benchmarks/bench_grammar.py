@@ -176,12 +176,12 @@ class LLGuidance:
     def compile(self, kind, value):
         from llguidance import LLMatcher
 
-        from helpers.server.grammar import JSON_OPTIONS, _limits, closed_objects
+        from helpers.server.grammar import JSON_OPTIONS, closed_objects, parser_limits
 
         grammar = (LLMatcher.grammar_from_json_schema(closed_objects(value),
                                                       defaults=JSON_OPTIONS)
                    if kind == "json" else LLMatcher.grammar_from_regex(value))
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher

@@ -52,8 +52,8 @@ import warnings
 
 import torch
 
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
-                                   save_figure, write_results)
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
 from benchmarks.timing import Candidate, calls_per_sample, crop_cache, time_in_turns
 from helpers.batching import position_ids_from_mask
 from helpers.corpus import task_examples, task_prompt

@@ -35,9 +35,10 @@ import torch
 import transformers
 
 from benchmarks.bench_batching import course_queue
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   pyplot, save_figure, verdicts, write_results)
-from benchmarks.timing import Candidate, time_in_turns
+                                   verdicts, write_results)
+from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
 from helpers.paged import PagedKVCache, generate_paged, worst_inter_token_gap
@@ -51,14 +52,6 @@ PREFIX = ("Once upon a time a little fox lived by the river. Every morning the f
           "hill, and every evening it came home to sleep. ") * 6 + (
           "The river was cold and the hill was green, and the fox was happy there. ")
 TARGETS = {"concurrency": 2.0, "ttft": 3.0}
-
-
-def traced(driver, *args, **kwargs) -> Candidate:
-    """A driver call timed by its own ``Trace``; the candidate returns (answers, trace)."""
-    def run():
-        trace = Trace()
-        return driver(*args, trace=trace, **kwargs), trace
-    return Candidate(run, clock=lambda out: out[1].seconds)
 
 
 def concurrency(model, tokenizer, queue, contiguous_tokens):

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from benchmarks.results_io import machine, pyplot, save_figure, write_results
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import machine, write_results
 from benchmarks.timing import Candidate, time_in_turns
 from helpers.quantization import (dequantize_model, footprint, perplexity, quantize_model,
                                   torchao_int8_weight_only)

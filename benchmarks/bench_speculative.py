@@ -34,8 +34,9 @@ import sys
 import torch
 import transformers
 
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
-                                   save_figure, verdicts, write_results)
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import (load_average, machine, markdown_table, numbers, verdicts,
+                                   write_results)
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
 from helpers.corpus import RHYMES, corpus

@@ -243,8 +243,8 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
     what = {"bench_vllm": "from `make bench-vllm` (the course server beside real vLLM, "
                           "defaults against defaults, 1, 16 and 64 streaming clients; plot: "
                           "[vllm.png](vllm.png))",
-            "profile_servers": "from `python -m benchmarks.profile_servers` or `python -m "
-                               "benchmarks.vllm_compare --profile` (where each server's time "
+            "profile_servers": "from `python -m benchmarks.vllm.profile` or `python -m "
+                               "benchmarks.vllm.compare --profile` (where each server's time "
                                "goes, py-spy)"}
     apart = [f"[{name}.md]({name}.md) {what[name]}" for name in APART
              if (out / f"{name}.md").exists()]

@@ -113,6 +113,17 @@ def _sample(candidate: Candidate, number: int, device) -> tuple[float, Any]:
     return (candidate.clock(result) if candidate.clock else wall), result
 
 
+def traced(driver, *args, **kwargs) -> Candidate:
+    """A call of one of the course's batching drivers, timed by its own ``Trace`` (whose clock
+    covers the whole run): the candidate returns (answers, trace)."""
+    from helpers.batching import Trace
+
+    def run():
+        trace = Trace()
+        return driver(*args, trace=trace, **kwargs), trace
+    return Candidate(run, clock=lambda out: out[1].seconds)
+
+
 def calls_per_sample(fn: Callable[[], Any], at_least_s: float = 5e-4) -> int:
     """How many calls of ``fn`` make one timing sample of at least ``at_least_s`` seconds
     (a single call of a few microseconds is below what one clock reading can resolve)."""

@@ -178,7 +178,7 @@ def test_bench_server_quick_run(tmp_path):
 
 
 def test_transformers_serve_starts_on_the_device_it_is_given():
-    from benchmarks.server_compare import TransformersServe
+    from benchmarks.transformers_serve import TransformersServe
 
     for device in ("cuda", "cpu"):
         theirs = TransformersServe("/models/bundled", threads=1, clients=16, context=256,
@@ -227,11 +227,11 @@ def test_summary_rows_of_the_server_benchmark():
     assert rows[2][1] == "not run: RuntimeError: no command" and rows[2][3] is False
 
 
-def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
-    """profile_servers.py's classification: a stack goes to what its innermost telling frame
+def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
+    """The vLLM profiler's classification (benchmarks/vllm/stacks.py): a stack goes to what its innermost telling frame
     did, the model call wins over the course's code around it, and the HTTP process is the
     API server's but for its pipe."""
-    from benchmarks import profile_servers as ps
+    from benchmarks.vllm import report, stacks as ps
 
     loop = ["_run (helpers/server/engine.py)", "_loop (helpers/server/engine.py)",
             "step (helpers/server/paged_engine.py)", "_generate (helpers/server/paged_engine.py)"]
@@ -267,9 +267,10 @@ def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
     assert ps.our_category(sse, "http") == ps.OUR_ROUTES
     reader = ["_read (helpers/server/engine_process.py)", "recv (multiprocessing/connection.py)"]
     assert ps.our_category(reader, "http") == ps.IPC
-    assert ps.group("ours", "http", ps.OUR_ROUTES) == "API server"
-    assert ps.group("ours", "http", ps.IPC) == ps.group("vllm", "engine_core", ps.HANDING) == "IPC"
-    assert ps.group("ours", "engine", ps.OUR_DETOK) == ps.group("vllm", "api_server",
-                                                                 "detokenizing") == "outputs"
+    assert report.group("ours", "http", ps.OUR_ROUTES) == "API server"
+    assert report.group("ours", "http", ps.IPC) == report.group("vllm", "engine_core",
+                                                                ps.HANDING) == "IPC"
+    assert report.group("ours", "engine", ps.OUR_DETOK) == report.group(
+        "vllm", "api_server", "detokenizing") == "outputs"
     assert ps.vllm_category(["execute_model (vllm/v1/worker/gpu_model_runner.py)",
                              "forward (vllm/model_executor/models/gpt2.py)"]) == "model forward"

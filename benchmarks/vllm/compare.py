@@ -1,15 +1,15 @@
 """Benchmark: the course server beside real vLLM, defaults against defaults.
 
-    python -m benchmarks.vllm_compare             # 5 turns, then vLLM --enable-lora once (~5 min)
-    python -m benchmarks.vllm_compare --quick     # 2 turns, no LoRA check (~2 min)
-    python -m benchmarks.vllm_compare --profile   # then profile_servers.py on the same servers
+    python -m benchmarks.vllm.compare             # 5 turns, then vLLM --enable-lora once (~5 min)
+    python -m benchmarks.vllm.compare --quick     # 2 turns, no LoRA check (~2 min)
+    python -m benchmarks.vllm.compare --profile   # then profile.py on the same servers
 
 ``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
-passes its Python in ``VLLM_PYTHON`` (``vllm_serve.py`` says why it is an environment of its
+passes its Python in ``VLLM_PYTHON`` (``serve.py`` says why it is an environment of its
 own). Not part of ``make bench``: vLLM alone takes 60-100 s to start.
 
 The servers, both started at the beginning and up for the whole run:
-- vLLM's OpenAI server (``vllm_serve.VllmServe``): its CPU build on the bundled model, float32,
+- vLLM's OpenAI server (``serve.VllmServe``): its CPU build on the bundled model, float32,
   with its defaults (on this CPU: one torch thread bound to one core, its API server and
   engine core on the other; chunked prefill and prefix caching on; up to 128 sequences and
   2048 tokens a step);
@@ -21,10 +21,10 @@ then one untimed round of every level.
 
 What is measured: for 1, 16 and 64 clients, that many streaming requests at once, each on its
 own connection (httpx), on OpenAI's ``POST /v1/completions`` of both servers: a course prompt
-each (the prompts of ``bench_server.py``, the same list for both), 64 new tokens with the
+each (``benchmarks.PROMPTS``, the same list for both), 64 new tokens with the
 end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``), greedy
 (temperature 0), the token count from the stream's usage at its end
-(``server_compare.openai_stream``). Per level and server: tokens/s = all tokens / wall time
+(``serving.openai_stream``). Per level and server: tokens/s = all tokens / wall time
 from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
 requests (from sending a request to its first event with text); the engine steps the server
 ran (its /metrics). Before each run, the benchmark waits until the machine's CPUs are idle
@@ -48,7 +48,6 @@ or a stream ended before its 64 tokens.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import pathlib
 import statistics
@@ -57,25 +56,19 @@ import time
 
 import httpx
 
-from benchmarks.bench_server import PROMPTS, levels_argument, metrics, percentile
-from benchmarks.results_io import (clients_axis, load_average, machine, markdown_table, numbers,
-                                   pyplot, save_figure, write_results)
-from benchmarks.server_compare import OURS_EXTRA, openai_at_once
+from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
+from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
+from benchmarks.serving import (OURS_EXTRA, at_once, figures, jobs, levels_argument, metrics,
+                                our_steps)
 from benchmarks.timing import spread, wait_until_idle
-from benchmarks.vllm_serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
+from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEVELS = (1, 16, 64)
 SERVERS = ("ours", "vllm")
 WORDS = {"ours": "ours", "vllm": "vLLM"}
 #: What vLLM 0.32 says when asked for LoRA on GPT-2 (for runs that do not check it again).
 LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
-
-
-def our_steps(url: str) -> float:
-    """Steps our server has run (decode and prefill; its /metrics)."""
-    figures = metrics(url)
-    return figures.get("steps_decode", 0) + figures.get("steps_prefill", 0)
 
 
 class Server:
@@ -87,18 +80,15 @@ class Server:
 
     def run(self, clients: int, new_tokens: int) -> dict:
         """``clients`` streaming requests at once: the figures of one run."""
-        jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
+        requests = jobs(clients, new_tokens)
         before = self.steps(self.url)
-        results, seconds = asyncio.run(openai_at_once(self.url, jobs, self.extra))
+        results, seconds, _ = at_once(self.url, requests, self.extra)
         steps = self.steps(self.url) - before
-        tokens = sum(r["tokens"] for r in results)
-        ttfts = [r["ttft"] for r in results]
         texts: dict[str, set] = {}
-        for (prompt, _), r in zip(jobs, results):
+        for (prompt, _), r in zip(requests, results):
             texts.setdefault(prompt, set()).add(r["text"])
-        return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-                "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
-                "steps": steps, "short": sum(r["tokens"] != new_tokens for r in results),
+        return {**figures(results, seconds), "steps": steps,
+                "short": sum(r["tokens"] != new_tokens for r in results),
                 "texts": {p: sorted(t) for p, t in texts.items()}}
 
 
@@ -172,7 +162,7 @@ def main(argv=None) -> int:
 
     ours = serve_in_background(name="bench-vllm", threads=1, wait=False)
     with ours as our_url, vllm as vllm_url:           # each waits for /health, then warms up
-        asyncio.run(openai_at_once(our_url, [(PROMPTS[3], 8)] * 2, OURS_EXTRA))
+        at_once(our_url, jobs(2, 8), OURS_EXTRA)                  # warm-up
         info = httpx.get(our_url + "/info", timeout=10).json()
         result = describe(args, versions, info)
         result["load_average"] = load_before
@@ -182,7 +172,7 @@ def main(argv=None) -> int:
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
         if args.profile:
-            from benchmarks import profile_servers as profiler
+            from benchmarks.vllm import profile as profiler
 
             targets = {"ours": profiler.our_target(our_url, ours.pid),
                        "vllm": profiler.vllm_target(vllm)}
@@ -217,7 +207,7 @@ def parse_args(argv=None):
                              "(default: on, off with --quick)")
     parser.add_argument("--profile", action="store_true",
                         help="then sample both servers' processes with py-spy at each level "
-                             "(profile_servers.py; writes profile_servers.md)")
+                             "(profile.py; writes profile_servers.md)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
@@ -261,7 +251,7 @@ def markdown(result: dict) -> str:
         f"{result['machine']}, {result['date']}; load average {numbers(result['load_average'])}"
         f" before, {numbers(result['load_average_after'])} after the timed turns. "
         f"{'A quick run (`--quick`). ' if result['quick'] else ''}"
-        f"Made by `make bench-vllm` (`python -m benchmarks.vllm_compare`); its docstring says "
+        f"Made by `make bench-vllm` (`python -m benchmarks.vllm.compare`); its docstring says "
         f"how.", "",
         f"- ours: `helpers.server` with its defaults ({settings}), 1 torch thread; torch "
         f"{ours['torch']}, transformers {ours['transformers']}.",
@@ -302,19 +292,15 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: pathlib.Path) -> None:
     """Two panels against clients, both servers: tokens/s, and TTFT p95 (median over the
     turns, bars from min to max)."""
-    plt = pyplot()
     levels = result["levels"]
     clients = [row["clients"] for row in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.4))
     colours = {"ours": "tab:blue", "vllm": "tab:orange"}
     for ax, key, scale in ((left, "tokens_per_second", 1.0), (right, "ttft_p95", 1e3)):
-        middle = {name: [row[name][key]["median"] * scale for row in levels]
+        middle = {name: spread_bars(ax, clients, [row[name][key] for row in levels], scale,
+                                    color=colours[name], label=WORDS[name])
                   for name in SERVERS}
         for name in SERVERS:
-            bars = [[m - row[name][key]["min"] * scale for m, row in zip(middle[name], levels)],
-                    [row[name][key]["max"] * scale - m for m, row in zip(middle[name], levels)]]
-            ax.errorbar(clients, middle[name], yerr=bars, marker="o", capsize=4,
-                        color=colours[name], label=WORDS[name])
             other = middle["vllm" if name == "ours" else "ours"]
             for x, y, y_other in zip(clients, middle[name], other):
                 # the higher of the two figures is written above its point, the other below
