@@ -30,8 +30,9 @@ the speed.
 The summary, per level, server and process: the samples sorted into what the server was doing,
 by the innermost frame that says so (``stacks.py``: vLLM's by vLLM module; ours by the
 course's functions: model forward, sampler, the step's inputs, scheduler, engine loop, IPC,
-outputs and detokenizing, API server, waiting), in milliseconds of samples per engine step (vLLM's steps: ``vllm:iteration_tokens_total_count`` of its /metrics;
-ours: ``steps_decode + steps_prefill`` of our /metrics, as ``compare.py`` counts them); the
+outputs and detokenizing, API server, waiting), in milliseconds of samples per engine step
+(vLLM's steps: ``vllm:iteration_tokens_total_count`` of its /metrics; ours: ``steps_decode +
+steps_prefill`` of our /metrics, as ``compare.py`` counts them); the
 CPU seconds each process used (/proc); the functions with the most samples of their own (self)
 and in their stack (cumulative); the server's modules (innermost frame of the server's own
 code). Writes ``benchmarks/results/profile_servers.md`` and ``.json`` (``report.py``).
