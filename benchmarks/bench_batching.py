@@ -40,8 +40,8 @@ import transformers
 
 from benchmarks import PROMPTS
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   verdicts, write_results)
+from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
+                                   write_results)
 from benchmarks.timing import time_in_turns, traced
 from helpers import load_model
 from helpers.batching import (generate_batched, generate_continuous, generate_static,
@@ -282,9 +282,7 @@ def main(argv=None):
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
     result = {
-        "model": args.model or "bundled", "reps": reps, "threads": torch.get_num_threads(),
-        "load_average": load_average(), "machine": machine(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "batch_size": BATCH_SIZE,
+        "model": args.model or "bundled", "reps": reps, **run_facts(), "batch_size": BATCH_SIZE,
         "queue": [{"prompt": p, "max_tokens": m} for p, m in queue],
     }
     print(f"course queue, as asked (x{reps}) ...", flush=True)

@@ -36,8 +36,8 @@ import transformers
 
 from benchmarks.bench_batching import course_queue
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   verdicts, write_results)
+from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
+                                   write_results)
 from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
@@ -231,9 +231,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
-    result = {"model": args.model or "bundled", "reps": reps, "threads": torch.get_num_threads(),
-              "load_average": load_average(), "machine": machine(), "torch": torch.__version__,
-              "transformers": transformers.__version__}
+    result = {"model": args.model or "bundled", "reps": reps, **run_facts()}
     print(f"throughput on the course queue (x{reps}) ...", flush=True)
     result["throughput"], contiguous_tokens = throughput(model, tokenizer, queue, reps)
     print("requests at once in one KV budget ...", flush=True)

@@ -52,7 +52,7 @@ TARGETS = {"gap_ms_1_client": 0.7, "step_ms_1_row": 0.3, "graphs_speedup_64": 1.
 
 # --- in-process engines -----------------------------------------------------------------------
 
-def engine(graphs: bool, device: str, capture=None):
+def start_engine(graphs: bool, device: str, capture=None):
     model, tokenizer = load_model(device=device)
     return make_engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
                        cuda_graphs="on" if graphs else "off", capture=capture)
@@ -234,11 +234,11 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
         print(f"[gpu_server {time.monotonic() - start:6.1f} s] {line}", flush=True)
 
     began = time.monotonic()
-    graphed = engine(True, device, capture)
+    graphed = start_engine(True, device, capture)
     say(f"graphed engine ready in {time.monotonic() - began:.1f} s "
         f"(captures {graphed.snapshot()['cuda_graph_captures']}, "
         f"compiles {graphed.snapshot()['compiles']})")
-    plain = engine(False, device)
+    plain = start_engine(False, device)
     try:
         reference = (plain.model, plain.tokenizer)
         part, part_lines = same_tokens(graphed, plain, reference)
@@ -253,7 +253,8 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
         else:
             say("skipped the 1,000 mixed steps: time budget")
         if left() > 30:
-            figures["step_ms"], part_lines = step_times(*reference, repeats=2 if quick else 5)
+            figures["step_ms"], part_lines = step_times(*reference, rows=(1, 8) if quick else (1, 8, 64),
+                                                        repeats=2 if quick else 5)
             for line in part_lines:
                 say(line)
     finally:

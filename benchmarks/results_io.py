@@ -31,6 +31,17 @@ def machine() -> str:
     return f"{name or 'unknown CPU'} ({platform.machine()}), {os.cpu_count()} cores"
 
 
+def run_facts() -> dict:
+    """What a result records about the run: torch threads, load average before it, the
+    machine, and the versions of torch and transformers."""
+    import torch
+    import transformers
+
+    return {"threads": torch.get_num_threads(), "load_average": load_average(),
+            "machine": machine(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def markdown_table(header: list[str], rows, align: str = "") -> list[str]:
     """A markdown table, as lines: ``header`` holds the column titles, ``rows`` the cells
     (strings, or anything ``str()`` turns into one), ``align`` one letter a column, "l" or

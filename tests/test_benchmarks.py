@@ -75,6 +75,36 @@ def test_time_in_turns_clock_prepare_and_number():
     assert calls_per_sample(lambda: None) > 1            # a no-op is far below 0.5 ms
 
 
+def test_time_in_turns_alternates_the_order_when_asked():
+    calls = []
+    time_in_turns({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                  repeats=2, warmup=1, alternate=True)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_the_vllm_comparison_takes_turns_and_keeps_the_timed_ones(monkeypatch):
+    """benchmarks.vllm.compare: every level on both servers in each turn, the order reversed
+    from turn to turn, an idle wait before each run, the untimed round left out."""
+    from benchmarks.vllm import compare
+
+    order = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, clients, new_tokens):
+            order.append((self.name, clients))
+            return {"seconds": 0.01 * len(order), "clients": clients}
+
+    monkeypatch.setattr(compare, "wait_until_idle", lambda: 0.25)
+    runs = compare.in_turns({"ours": Stub("ours"), "vllm": Stub("vllm")}, [1, 16], 8, turns=2)
+    firsts = [("ours", 1), ("vllm", 1), ("ours", 16), ("vllm", 16)]
+    assert order == firsts + firsts[::-1] + firsts         # untimed round, then two turns
+    assert [r["seconds"] for r in runs[16]["vllm"]] == pytest.approx([0.05, 0.12])
+    assert all(r["idle_wait"] == 0.25 for n in runs for side in runs[n].values() for r in side)
+
+
 @pytest.mark.parametrize("bad", [dict(repeats=0), dict(repeats=1, warmup=-1),
                                  dict(repeats=1, number=0)])
 def test_time_in_turns_refuses_bad_counts(bad):

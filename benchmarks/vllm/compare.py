@@ -31,8 +31,8 @@ ran (its /metrics). Before each run, the benchmark waits until the machine's CPU
 (``timing.wait_until_idle``, at most 5 s): after its last answer vLLM keeps a core busy for
 about a second (its processes poll their shared-memory queue before they sleep; measured on
 this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
-The levels take turns, and within a level the servers do, ours first in
-even turns and vLLM first in odd ones; 5 turns (2 with ``--quick``). Each figure is the median
+Every level on both servers in each turn, the order reversed from one turn to the next
+(``timing.time_in_turns``); 5 turns (2 with ``--quick``). Each figure is the median
 over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
 request's text on one server equals the text of the same prompt on the other, in every turn.
 
@@ -60,7 +60,7 @@ from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
 from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
 from benchmarks.serving import (OURS_EXTRA, at_once, figures, jobs, levels_argument, metrics,
                                 our_steps)
-from benchmarks.timing import spread, wait_until_idle
+from benchmarks.timing import Candidate, spread, time_in_turns, wait_until_idle
 from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -93,22 +93,27 @@ class Server:
 
 
 def in_turns(servers: dict[str, Server], levels, new_tokens: int, turns: int) -> dict:
-    """Every level on both servers in each turn, after one untimed round; the servers'
-    order alternates between turns. Returns ``{clients: {server: [run, ...]}}``."""
+    """Every level on both servers in each turn, after one untimed round; the order reverses
+    from one turn to the next, and before each run the CPUs must be idle. Returns
+    ``{clients: {server: [run, ...]}}`` (the timed turns)."""
     runs = {n: {name: [] for name in servers} for n in levels}
-    for turn in range(-1, turns):                        # -1: the untimed round
-        order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
-        for n in levels:
-            for name in order:
-                label = "warm-up" if turn < 0 else f"turn {turn + 1}/{turns}"
-                waited = wait_until_idle()          # vLLM polls for ~1 s after a run
-                print(f"{label}: {WORDS[name]}, {n} client(s) (after {waited:.1f} s idle "
-                      "wait) ...", flush=True)
-                figures = servers[name].run(n, new_tokens)
-                figures["idle_wait"] = waited
-                if turn >= 0:
-                    runs[n][name].append(figures)
-    return runs
+
+    def candidate(n, name):
+        waited = []
+
+        def run():
+            figures = {**servers[name].run(n, new_tokens), "idle_wait": waited[-1]}
+            runs[n][name].append(figures)
+            return figures
+        # vLLM polls for ~1 s after a run: wait for the CPUs (untimed) before each run
+        return Candidate(run, prepare=lambda: waited.append(wait_until_idle()),
+                         clock=lambda figures: figures["seconds"])
+
+    time_in_turns({f"{WORDS[name]}, {n} client(s)": candidate(n, name)
+                   for n in levels for name in servers},
+                  repeats=turns, warmup=1, alternate=True, progress="vLLM side by side,")
+    return {n: {name: done[1:] for name, done in by_name.items()}    # [0]: the untimed round
+            for n, by_name in runs.items()}
 
 
 def level_row(clients: int, run: dict) -> dict:
