@@ -253,8 +253,8 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
         else:
             say("skipped the 1,000 mixed steps: time budget")
         if left() > 30:
-            figures["step_ms"], part_lines = step_times(*reference, rows=(1, 8) if quick else (1, 8, 64),
-                                                        repeats=2 if quick else 5)
+            rows = (1, 8) if quick else (1, 8, 64)
+            figures["step_ms"], part_lines = step_times(*reference, rows, 2 if quick else 5)
             for line in part_lines:
                 say(line)
     finally:
