@@ -43,7 +43,7 @@ from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
                                    verdicts, write_results)
 from benchmarks.roofline import bench_roofline, plot_roofline, roofline_markdown
-from benchmarks.timing import Candidate, time_in_turns
+from benchmarks.timing import Candidate, time_in_turns, timed_once
 from helpers.generation import generate_no_cache, generate_with_cache
 from helpers.models import load_model
 
@@ -132,9 +132,9 @@ def bench_compile(model, tokenizer, batches, steps, reps):
     compiled = torch.compile(static_step, dynamic=False)
     rows = []
     for batch in batches:
-        start = time.perf_counter()
-        compiled_tokens, first = decode_steps(model, tokenizer, batch, steps, compiled)
-        compile_seconds = time.perf_counter() - start - sum(first[1:])
+        (compiled_tokens, first), seconds = timed_once(
+            lambda: decode_steps(model, tokenizer, batch, steps, compiled))
+        compile_seconds = seconds - sum(first[1:])
         ways = {"eager_dynamic_cache": None, "eager_static_cache": static_step,
                 "compiled_static_cache": compiled}
         # A sample is the median step of one run (decode_steps times each step); the compile

@@ -20,14 +20,13 @@ adapters (``load_peft``), the grid's markdown matrix (``ratio_matrix``).
 
 import pathlib
 import tempfile
-import time
 import warnings
 
 import torch
 
 from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import markdown_table
-from benchmarks.timing import Candidate, crop_cache, time_in_turns
+from benchmarks.timing import Candidate, crop_cache, time_in_turns, timed_once
 from helpers.batching import position_ids_from_mask
 from helpers.corpus import task_examples
 from helpers.lora import load_adapters
@@ -203,19 +202,12 @@ def bench_real_grid(args) -> dict:
     tokenizer = load_model(MODEL, device="cpu")[1]
     setup = {}
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
-        start = time.perf_counter()
-        folders = save_random_adapters(pathlib.Path(tmp), GRID_ADAPTERS, args.device)
-        setup["make_and_save_s"] = time.perf_counter() - start
+        folders, setup["make_and_save_s"] = timed_once(
+            lambda: save_random_adapters(pathlib.Path(tmp), GRID_ADAPTERS, args.device))
         names = list(folders)
-
-        start = time.perf_counter()
-        peft_model = load_peft(folders, args.device)
-        setup["peft_load_s"] = time.perf_counter() - start
-
-        start = time.perf_counter()
+        peft_model, setup["peft_load_s"] = timed_once(lambda: load_peft(folders, args.device))
         ours = load_model(MODEL, device=args.device)[0]
-        lora = load_adapters(ours, folders)
-        setup["ours_load_s"] = time.perf_counter() - start
+        lora, setup["ours_load_s"] = timed_once(lambda: load_adapters(ours, folders))
 
         # For FEW_LOADED_CELLS: peft models that hold only the first `distinct` adapters.
         few = {d: load_peft({n: folders[n] for n in names[:d]}, args.device)

@@ -126,6 +126,12 @@ def traced(driver, *args, **kwargs) -> Candidate:
     return Candidate(run, clock=lambda out: out[1].seconds)
 
 
+def timed_once(fn: Callable[[], Any], device="cpu") -> tuple[Any, float]:
+    """One call of ``fn``, not repeated (a set-up, a compilation): what it returned and its
+    seconds."""
+    return _sample(Candidate(fn), 1, device)[::-1]
+
+
 def calls_per_sample(fn: Callable[[], Any], at_least_s: float = 5e-4) -> int:
     """How many calls of ``fn`` make one timing sample of at least ``at_least_s`` seconds
     (a single call of a few microseconds is below what one clock reading can resolve)."""

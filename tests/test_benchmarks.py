@@ -10,7 +10,7 @@ import pytest
 from benchmarks import run_all
 from benchmarks.results_io import markdown_table
 from benchmarks.timing import (Candidate, busy_share, calls_per_sample, spread, time_in_turns,
-                               wait_until_idle)
+                               timed_once, wait_until_idle)
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -73,6 +73,11 @@ def test_time_in_turns_clock_prepare_and_number():
     time_in_turns({"x": lambda: counted.append(1)}, repeats=2, warmup=0, number=5)
     assert len(counted) == 10
     assert calls_per_sample(lambda: None) > 1            # a no-op is far below 0.5 ms
+
+
+def test_timed_once_returns_what_the_call_returned_and_its_time():
+    value, seconds = timed_once(lambda: (time.sleep(0.02), "done")[1])
+    assert value == "done" and 0.02 <= seconds < 1.0
 
 
 def test_time_in_turns_alternates_the_order_when_asked():
