@@ -122,6 +122,21 @@ def test_time_in_turns_refuses_an_own_clock_with_several_calls():
         time_in_turns({"x": Candidate(lambda: 1.0, clock=float)}, repeats=1, number=3)
 
 
+def test_the_figures_of_a_run_of_streams():
+    """serving.figures: tokens/s over the run's wall time, TTFT percentiles over the requests,
+    and inter-token percentiles over every gap of every stream (TGI's streams only)."""
+    from benchmarks.serving import figures, jobs, levels_argument
+
+    streams = [{"tokens": 4, "ttft": 0.1, "gaps": [0.01, 0.03, 0.02]},
+               {"tokens": 4, "ttft": 0.3, "gaps": [0.02, 0.02, 0.05]}]
+    run = figures(streams, seconds=0.5)
+    assert run["tokens"] == 8 and run["tokens_per_second"] == pytest.approx(16)
+    assert run["ttft_p50"] == pytest.approx(0.2) and run["itl_p50"] == pytest.approx(0.02)
+    assert "itl_p50" not in figures([{"tokens": 2, "ttft": 0.1}], seconds=1.0)
+    assert [prompt for prompt, _ in jobs(6, 8)][5] == jobs(1, 8)[0][0]    # the prompts in turn
+    assert levels_argument("16, 1,4") == [1, 4, 16]
+
+
 def test_markdown_table():
     assert markdown_table(["a", "b", "c"], [[1, "x", ""]], "lr") == [
         "| a | b | c |", "|---|---:|---|", "| 1 | x |  |"]
