@@ -75,7 +75,7 @@ from benchmarks.serving import (at_once, figures, jobs, levels_argument, metrics
                                 stream)
 from benchmarks.timing import Candidate, spread, time_in_turns
 from benchmarks.server_report import markdown, plot, targets_met
-from benchmarks.transformers_serve import TransformersServe, side_by_side
+from benchmarks.transformers_serve import TransformersServe, against_transformers
 from helpers.batching import Trace, generate_sequential, model_context
 from helpers.server import serve_in_background
 
@@ -272,7 +272,7 @@ def main(argv=None):
     ours = serve_in_background(args.model, name="bench-server", threads=args.threads,
                                device=args.device, wait=False, **options)
     # Their server starts now, while ours does (each takes seconds to import and load), and
-    # stays idle until the side-by-side part. (If it cannot start, side_by_side says why.)
+    # stays idle until the side-by-side part. (If it cannot start, against_transformers says why.)
     theirs = TransformersServe(resolve_model_name(args.model), args.threads,
                                max(args.compare_levels), model_context(model) or 2048,
                                device=args.device)
@@ -290,7 +290,8 @@ def main(argv=None):
                                       lambda js: bare_loop(model, tokenizer, js))
         sweep_table = sweep(url, args.levels, args.new_tokens, args.sweep_reps)
         rows_max = int(metrics(url).get("rows_max", 0))
-        compared = side_by_side(url, theirs, args.compare_levels, args.new_tokens, args.reps)
+        compared = against_transformers(url, theirs, args.compare_levels, args.new_tokens,
+                                        args.reps)
     result.update(summarise(seen), sweep={"new_tokens": args.new_tokens,
                                           "reps": args.sweep_reps, "rows_max": rows_max,
                                           "levels": sweep_table},

@@ -31,6 +31,7 @@ import urllib.request
 import httpx
 
 from benchmarks import PROMPTS
+from benchmarks.timing import Candidate, time_in_turns, wait_until_idle
 
 #: What our /v1/completions needs besides the prompt and length: every request run to its
 #: ``max_tokens`` and the token count at the end of the stream.
@@ -178,6 +179,64 @@ def figures(results: list[dict], seconds: float) -> dict:
         gaps = [gap for r in results for gap in r["gaps"]]
         out.update(itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
     return out
+
+
+# --- ours beside another server --------------------------------------------------------------
+
+class Server:
+    """A server as a side-by-side run sees it: its URL, what its /v1/completions needs besides
+    the prompt and length, and how to read its step count (None: it has none to read)."""
+
+    def __init__(self, url: str, extra: dict, steps=None):
+        self.url, self.extra, self.steps = url, extra, steps
+
+    def run(self, clients: int, new_tokens: int) -> dict:
+        """``clients`` streaming requests at once: the figures of one run, the streams that
+        ended short, each prompt's texts and the steps the server ran."""
+        requests = jobs(clients, new_tokens)
+        before = self.steps(self.url) if self.steps else 0
+        results, seconds, _ = at_once(self.url, requests, self.extra)
+        texts: dict[str, set] = {}
+        for (prompt, _), r in zip(requests, results):
+            texts.setdefault(prompt, set()).add(r["text"])
+        return {**figures(results, seconds),
+                "steps": self.steps(self.url) - before if self.steps else None,
+                "short": sum(r["tokens"] != new_tokens for r in results),
+                "texts": {p: sorted(t) for p, t in texts.items()}}
+
+
+def side_by_side(servers: dict[str, Server], levels, new_tokens: int, turns: int,
+                 idle_first: bool = False) -> dict:
+    """Every level on every server in each turn, after one untimed round, the order reversed
+    from one turn to the next (``timing.time_in_turns``); with ``idle_first`` each run waits
+    (untimed) until the CPUs are idle. Returns ``{clients: {server: [run, ...]}}``, the timed
+    turns, each run with its ``idle_wait``."""
+    runs = {n: {name: [] for name in servers} for n in levels}
+
+    def candidate(n, name):
+        waited = []
+
+        def run():
+            figures = {**servers[name].run(n, new_tokens), "idle_wait": waited[-1]}
+            runs[n][name].append(figures)
+            return figures
+        return Candidate(run, prepare=lambda: waited.append(wait_until_idle() if idle_first
+                                                            else 0.0),
+                         clock=lambda figures: figures["seconds"])
+
+    time_in_turns({f"{name}, {n} client(s)": candidate(n, name)
+                   for n in levels for name in servers},
+                  repeats=turns, warmup=1, alternate=True, progress="side by side:")
+    return {n: {name: done[1:] for name, done in by_name.items()}    # [0]: the untimed round
+            for n, by_name in runs.items()}
+
+
+def different_texts(ours: list[dict], theirs: list[dict], name: str) -> list[dict]:
+    """The prompts whose texts differ between two servers' runs (or within one run of ours):
+    ``[{"prompt", "ours", name}]``."""
+    return [{"prompt": prompt, "ours": texts, name: other["texts"].get(prompt)}
+            for mine, other in zip(ours, theirs) for prompt, texts in mine["texts"].items()
+            if len(texts) != 1 or texts != other["texts"].get(prompt)]
 
 
 # --- a server of another project -------------------------------------------------------------

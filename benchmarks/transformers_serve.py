@@ -28,8 +28,8 @@ import sys
 import httpx
 
 from benchmarks.results_io import markdown_table
-from benchmarks.serving import OURS_EXTRA, ServerProcess, at_once, jobs
-from benchmarks.timing import Candidate, spread, time_in_turns
+from benchmarks.serving import OURS_EXTRA, Server, ServerProcess, different_texts, side_by_side
+from benchmarks.timing import spread
 
 #: Tokens one step of their server may read: the course prompts of 64 clients at once (8
 #: tokens each at most) and their decode tokens fit several times over.
@@ -85,44 +85,28 @@ class TransformersServe(ServerProcess):
             {"eos_token_id": -1, "do_sample": False})}
 
 
-def side_by_side(url, theirs: TransformersServe, levels, new_tokens, reps):
+def against_transformers(url, theirs: TransformersServe, levels, new_tokens, reps):
     """Each level's requests at once on our server and on ``transformers serve
     --continuous-batching`` (``theirs``, maybe started already), both through OpenAI's
-    streaming /v1/completions, taking turns (after a warm-up round). Returns one entry per
+    streaming /v1/completions, taking turns (``serving.side_by_side``). Returns one entry per
     level, or {"error": why} if their server could not run."""
-    runs = {n: {"ours": [], "theirs": []} for n in levels}
-
-    def side(n, server_url, extra, name):
-        def run():
-            results, seconds, _ = at_once(server_url, jobs(n, new_tokens), extra)
-            runs[n][name].append({"seconds": seconds, "texts": [r["text"] for r in results],
-                                  "tokens": sum(r["tokens"] for r in results)})
-            return seconds
-        return Candidate(run, clock=float)
-
     print("waiting for transformers serve --continuous-batching ...", flush=True)
     try:
         with theirs as their_url:
-            candidates = {}
-            for n in levels:
-                candidates[f"ours, {n} clients"] = side(n, url, OURS_EXTRA, "ours")
-                candidates[f"transformers serve, {n} clients"] = side(
-                    n, their_url, theirs.extra(), "theirs")
-            time_in_turns(candidates, repeats=reps, warmup=1, progress="side by side:")
+            runs = side_by_side({"ours": Server(url, OURS_EXTRA),
+                                 "theirs": Server(their_url, theirs.extra())},
+                                levels, new_tokens, reps)
     except (RuntimeError, OSError, httpx.HTTPError) as err:
         return {"error": f"{type(err).__name__}: {err}"}
-    return {"levels": [side_by_side_row(n, runs[n], reps) for n in levels]}
+    return {"levels": [level_row(n, runs[n]) for n in levels]}
 
 
-def side_by_side_row(clients, run, reps):
-    """One level of the side-by-side run: tokens/s of each server (median of the timed
-    repetitions; the first run of each was the warm-up) and their ratio per repetition."""
-    timed = {name: run[name][-reps:] for name in ("ours", "theirs")}
-    rate = {name: [r["tokens"] / r["seconds"] for r in timed[name]] for name in timed}
+def level_row(clients, run):
+    """One level: tokens/s of each server (median of the turns) and their ratio per turn."""
+    rate = {name: [r["tokens_per_second"] for r in runs] for name, runs in run.items()}
     ratios = [a / b for a, b in zip(rate["ours"], rate["theirs"])]
-    differences = [{"ours": a, "theirs": b} for ours, theirs in zip(run["ours"], run["theirs"])
-                   for a, b in zip(ours["texts"], theirs["texts"]) if a != b]
-    return {"clients": clients, "tokens": timed["ours"][0]["tokens"],
+    differences = different_texts(run["ours"], run["theirs"], "theirs")
+    return {"clients": clients, "tokens": run["ours"][0]["tokens"],
             "ours_tokens_per_second": spread(rate["ours"]),
             "theirs_tokens_per_second": spread(rate["theirs"]),
             "ours_over_theirs": statistics.median(ratios),

@@ -87,10 +87,12 @@ def test_time_in_turns_alternates_the_order_when_asked():
     assert calls == ["a", "b", "b", "a", "a", "b"]
 
 
-def test_the_vllm_comparison_takes_turns_and_keeps_the_timed_ones(monkeypatch):
-    """benchmarks.vllm.compare: every level on both servers in each turn, the order reversed
-    from turn to turn, an idle wait before each run, the untimed round left out."""
-    from benchmarks.vllm import compare
+def test_side_by_side_takes_turns_and_keeps_the_timed_ones(monkeypatch):
+    """serving.side_by_side (the vLLM and the transformers serve comparisons): every level on
+    both servers in each turn, the order reversed from turn to turn, an idle wait before each
+    run when asked, the untimed round left out; different_texts names the prompts that
+    differ."""
+    from benchmarks import serving
 
     order = []
 
@@ -100,14 +102,18 @@ def test_the_vllm_comparison_takes_turns_and_keeps_the_timed_ones(monkeypatch):
 
         def run(self, clients, new_tokens):
             order.append((self.name, clients))
-            return {"seconds": 0.01 * len(order), "clients": clients}
+            return {"seconds": 0.01 * len(order), "texts": {"Jack": [self.name]}}
 
-    monkeypatch.setattr(compare, "wait_until_idle", lambda: 0.25)
-    runs = compare.in_turns({"ours": Stub("ours"), "vllm": Stub("vllm")}, [1, 16], 8, turns=2)
+    monkeypatch.setattr(serving, "wait_until_idle", lambda: 0.25)
+    runs = serving.side_by_side({"ours": Stub("ours"), "vllm": Stub("vllm")}, [1, 16], 8,
+                                turns=2, idle_first=True)
     firsts = [("ours", 1), ("vllm", 1), ("ours", 16), ("vllm", 16)]
     assert order == firsts + firsts[::-1] + firsts         # untimed round, then two turns
     assert [r["seconds"] for r in runs[16]["vllm"]] == pytest.approx([0.05, 0.12])
     assert all(r["idle_wait"] == 0.25 for n in runs for side in runs[n].values() for r in side)
+    assert serving.different_texts(runs[1]["ours"], runs[1]["vllm"], "vllm")[0] == {
+        "prompt": "Jack", "ours": ["ours"], "vllm": ["vllm"]}
+    assert serving.different_texts(runs[1]["ours"], runs[1]["ours"], "vllm") == []
 
 
 @pytest.mark.parametrize("bad", [dict(repeats=0), dict(repeats=1, warmup=-1),
@@ -278,9 +284,9 @@ def test_summary_rows_of_the_server_benchmark():
 
 
 def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
-    """The vLLM profiler's classification (benchmarks/vllm/stacks.py): a stack goes to what its innermost telling frame
-    did, the model call wins over the course's code around it, and the HTTP process is the
-    API server's but for its pipe."""
+    """The vLLM profiler's classification (benchmarks/vllm/stacks.py): a stack goes to what
+    its innermost telling frame did, the model call wins over the course's code around it,
+    and the HTTP process is the API server's but for its pipe."""
     from benchmarks.vllm import report, stacks as ps
 
     loop = ["_run (helpers/server/engine.py)", "_loop (helpers/server/engine.py)",

@@ -32,7 +32,7 @@ ran (its /metrics). Before each run, the benchmark waits until the machine's CPU
 about a second (its processes poll their shared-memory queue before they sleep; measured on
 this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
 Every level on both servers in each turn, the order reversed from one turn to the next
-(``timing.time_in_turns``); 5 turns (2 with ``--quick``). Each figure is the median
+(``serving.side_by_side``); 5 turns (2 with ``--quick``). Each figure is the median
 over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
 request's text on one server equals the text of the same prompt on the other, in every turn.
 
@@ -58,9 +58,9 @@ import httpx
 
 from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
 from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
-from benchmarks.serving import (OURS_EXTRA, at_once, figures, jobs, levels_argument, metrics,
-                                our_steps)
-from benchmarks.timing import Candidate, spread, time_in_turns, wait_until_idle
+from benchmarks.serving import (OURS_EXTRA, Server, at_once, different_texts, jobs,
+                                levels_argument, metrics, our_steps, side_by_side)
+from benchmarks.timing import spread
 from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -69,51 +69,6 @@ SERVERS = ("ours", "vllm")
 WORDS = {"ours": "ours", "vllm": "vLLM"}
 #: What vLLM 0.32 says when asked for LoRA on GPT-2 (for runs that do not check it again).
 LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
-
-
-class Server:
-    """One of the two servers as the benchmark sees it: where, what its requests need besides
-    the prompt and length, and how to read its step count."""
-
-    def __init__(self, url: str, extra: dict, steps):
-        self.url, self.extra, self.steps = url, extra, steps
-
-    def run(self, clients: int, new_tokens: int) -> dict:
-        """``clients`` streaming requests at once: the figures of one run."""
-        requests = jobs(clients, new_tokens)
-        before = self.steps(self.url)
-        results, seconds, _ = at_once(self.url, requests, self.extra)
-        steps = self.steps(self.url) - before
-        texts: dict[str, set] = {}
-        for (prompt, _), r in zip(requests, results):
-            texts.setdefault(prompt, set()).add(r["text"])
-        return {**figures(results, seconds), "steps": steps,
-                "short": sum(r["tokens"] != new_tokens for r in results),
-                "texts": {p: sorted(t) for p, t in texts.items()}}
-
-
-def in_turns(servers: dict[str, Server], levels, new_tokens: int, turns: int) -> dict:
-    """Every level on both servers in each turn, after one untimed round; the order reverses
-    from one turn to the next, and before each run the CPUs must be idle. Returns
-    ``{clients: {server: [run, ...]}}`` (the timed turns)."""
-    runs = {n: {name: [] for name in servers} for n in levels}
-
-    def candidate(n, name):
-        waited = []
-
-        def run():
-            figures = {**servers[name].run(n, new_tokens), "idle_wait": waited[-1]}
-            runs[n][name].append(figures)
-            return figures
-        # vLLM polls for ~1 s after a run: wait for the CPUs (untimed) before each run
-        return Candidate(run, prepare=lambda: waited.append(wait_until_idle()),
-                         clock=lambda figures: figures["seconds"])
-
-    time_in_turns({f"{WORDS[name]}, {n} client(s)": candidate(n, name)
-                   for n in levels for name in servers},
-                  repeats=turns, warmup=1, alternate=True, progress="vLLM side by side,")
-    return {n: {name: done[1:] for name, done in by_name.items()}    # [0]: the untimed round
-            for n, by_name in runs.items()}
 
 
 def level_row(clients: int, run: dict) -> dict:
@@ -129,10 +84,7 @@ def level_row(clients: int, run: dict) -> dict:
               for a, b in zip(run["ours"], run["vllm"])]
     row["ours_over_vllm"] = statistics.median(ratios)
     row["ours_over_vllm_per_turn"] = [round(r, 3) for r in ratios]
-    differences = [{"prompt": prompt, "ours": texts, "vllm": theirs["texts"].get(prompt)}
-                   for ours, theirs in zip(run["ours"], run["vllm"])
-                   for prompt, texts in ours["texts"].items()
-                   if len(texts) != 1 or texts != theirs["texts"].get(prompt)]
+    differences = different_texts(run["ours"], run["vllm"], "vllm")
     row["same_texts"] = not differences
     row["first_difference"] = differences[:1]
     row["texts"] = run["ours"][-1]["texts"]
@@ -173,7 +125,8 @@ def main(argv=None) -> int:
         result["load_average"] = load_before
         servers = {"ours": Server(our_url, OURS_EXTRA, our_steps),
                    "vllm": Server(vllm_url, vllm.extra(), vllm_steps)}
-        runs = in_turns(servers, args.levels, args.new_tokens, args.turns)
+        # vLLM polls for ~1 s after a run: each run waits for idle CPUs first
+        runs = side_by_side(servers, args.levels, args.new_tokens, args.turns, idle_first=True)
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
         if args.profile:
