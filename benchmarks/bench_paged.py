@@ -38,6 +38,7 @@ from benchmarks.bench_batching import course_queue
 from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
                                    write_results)
+from benchmarks.targets import PAGED as TARGETS
 from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
@@ -51,7 +52,6 @@ CHUNK = 32
 PREFIX = ("Once upon a time a little fox lived by the river. Every morning the fox ran to the "
           "hill, and every evening it came home to sleep. ") * 6 + (
           "The river was cold and the hill was green, and the fox was happy there. ")
-TARGETS = {"concurrency": 2.0, "ttft": 3.0}
 
 
 def concurrency(model, tokenizer, queue, contiguous_tokens):

@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.plots import pyplot, save_figure
 from benchmarks.results_io import markdown_table, numbers, run_facts, verdicts, write_results
+from benchmarks.targets import SPECULATIVE as TARGETS
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
 from helpers.corpus import RHYMES, corpus
@@ -42,7 +43,6 @@ from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLook
                                  speculative_generate, transformers_speculative)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGETS = {"lookup": 1.5, "ours_vs_transformers": 1.0}
 LOOKUP_K, DRAFT_KS, HF_DRAFT_K = 8, (1, 2, 4), 2
 COPY_TOKENS, STORY_TOKENS = 60, 48
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
 from benchmarks.results_io import markdown_table, numbers, verdicts
+from benchmarks.targets import SERVER as TARGETS
 from benchmarks.transformers_serve import side_by_side_markdown
 
-TARGETS = {"speedup": 4.0, "single_client": 0.70, "transformers": 1.5}
 #: The number of clients at which ours is held to TARGETS["transformers"].
 COMPARE_TARGET_CLIENTS = 16
 #: How the markdown says where the server ran its model (/info's "engine").
