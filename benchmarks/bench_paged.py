@@ -35,9 +35,11 @@ import torch
 import transformers
 
 from benchmarks.bench_batching import course_queue
-from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   pyplot, save_figure, verdicts, write_results)
-from benchmarks.timing import Candidate, time_in_turns
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
+                                   write_results)
+from benchmarks.targets import PAGED as TARGETS
+from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
 from helpers.paged import PagedKVCache, generate_paged, worst_inter_token_gap
@@ -50,15 +52,6 @@ CHUNK = 32
 PREFIX = ("Once upon a time a little fox lived by the river. Every morning the fox ran to the "
           "hill, and every evening it came home to sleep. ") * 6 + (
           "The river was cold and the hill was green, and the fox was happy there. ")
-TARGETS = {"concurrency": 2.0, "ttft": 3.0}
-
-
-def traced(driver, *args, **kwargs) -> Candidate:
-    """A driver call timed by its own ``Trace``; the candidate returns (answers, trace)."""
-    def run():
-        trace = Trace()
-        return driver(*args, trace=trace, **kwargs), trace
-    return Candidate(run, clock=lambda out: out[1].seconds)
 
 
 def concurrency(model, tokenizer, queue, contiguous_tokens):
@@ -238,9 +231,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
-    result = {"model": args.model or "bundled", "reps": reps, "threads": torch.get_num_threads(),
-              "load_average": load_average(), "machine": machine(), "torch": torch.__version__,
-              "transformers": transformers.__version__}
+    result = {"model": args.model or "bundled", "reps": reps, **run_facts()}
     print(f"throughput on the course queue (x{reps}) ...", flush=True)
     result["throughput"], contiguous_tokens = throughput(model, tokenizer, queue, reps)
     print("requests at once in one KV budget ...", flush=True)

@@ -19,12 +19,12 @@ import argparse
 import copy
 import datetime
 import pathlib
-import time
 
 import torch
 
-from benchmarks.results_io import machine, pyplot, save_figure, write_results
-from benchmarks.timing import Candidate, time_in_turns
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import machine, write_results
+from benchmarks.timing import Candidate, time_in_turns, timed_once
 from helpers.quantization import (dequantize_model, footprint, perplexity, quantize_model,
                                   torchao_int8_weight_only)
 from helpers.quiet import import_torchao, quiet_stderr
@@ -99,9 +99,7 @@ def measure_variants(model, tokenizer, texts, torchao) -> tuple[list[dict], dict
                               ("uint8 per-channel (axis=0)", 0, 8), ("4-bit per-tensor", None, 4),
                               ("4-bit per-channel (axis=-1)", -1, 4)]:
         qmodel, states = quantize_model(model, axis=axis, bits=bits)
-        start = time.perf_counter()
-        restored = dequantize_model(qmodel, states)
-        seconds = time.perf_counter() - start
+        restored, seconds = timed_once(lambda: dequantize_model(qmodel, states))
         speed_model = restored if bits == 8 and axis != 0 else None  # the others run alike
         record(label, footprint(qmodel, states), restored, speed_model,
                {"dequantize_seconds": seconds, "axis": axis, "bits": bits})

@@ -39,7 +39,7 @@ a warm-up request:
    that arrives at once. Each figure is the median over repetitions, with its spread
    (min-max); the levels take turns within each repetition, so that a slow moment of the
    machine does not land on one level only.
-6. side by side with ``transformers serve --continuous-batching`` (``server_compare.py``):
+6. side by side with ``transformers serve --continuous-batching`` (``transformers_serve.py``):
    1, 16 and 64 clients on both servers, OpenAI's streaming ``/v1/completions`` on each, the
    same prompts and lengths, taking turns, both on ``--device`` (their ``--device`` follows
    ours). Target: ours >= 1.5x their tokens/s at 16 clients.
@@ -61,7 +61,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -71,35 +70,19 @@ import time
 
 import httpx
 
-from benchmarks.results_io import (clients_axis, load_average, markdown_table, numbers, verdicts,
-                                   write_results)
+from benchmarks.results_io import load_average, write_results
+from benchmarks.serving import (at_once, figures, jobs, levels_argument, metrics, percentile,
+                                stream)
 from benchmarks.timing import Candidate, spread, time_in_turns
-from benchmarks.server_compare import (OURS_EXTRA, TransformersServe, openai_at_once,
-                                       theirs_extra)
-from helpers.batching import generate_next_token, init_batch, model_context
+from benchmarks.server_report import markdown, plot, targets_met
+from benchmarks.transformers_serve import TransformersServe, against_transformers
+from helpers.batching import Trace, generate_sequential, model_context
 from helpers.server import serve_in_background
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
-           "Jack and Jill", "Humpty Dumpty sat"]
-TARGETS = {"speedup": 4.0, "single_client": 0.70, "transformers": 1.5}
 SWEEP_LEVELS = (1, 4, 16, 64)
 COMPARE_LEVELS = (1, 16, 64)
-#: The number of clients at which ours is held to TARGETS["transformers"].
-COMPARE_TARGET_CLIENTS = 16
-#: How the markdown says where the server ran its model (/info's "engine").
-ENGINE_WORDS = {"process": "a process of its own", "thread": "a thread of the HTTP process"}
 QUICK = {"levels": [1, 16], "compare_levels": [1, 16], "new_tokens": 32, "probes": 3}
-
-
-def percentile(values, q):
-    """The q-th percentile (0-100) by linear interpolation between closest ranks."""
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = (len(values) - 1) * q / 100
-    low, high = int(k), min(int(k) + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (k - low)
 
 
 def summary(values):
@@ -107,68 +90,12 @@ def summary(values):
             "max": max(values), "n": len(values)}
 
 
-
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int) -> dict:
-    """One streaming request: its TTFT, the arrival time of each event, its end time, its
-    tokens and its text."""
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens,
-                                             "ignore_eos_token": True}}
-    start = time.perf_counter()
-    arrivals = []
-    text = None
-    async with client.stream("POST", url + "/generate_stream", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            arrivals.append(now)
-            if event.get("generated_text") is not None:
-                text = event["generated_text"]
-    end = time.perf_counter()
-    if not arrivals:
-        raise RuntimeError("the stream ended without a token")
-    return {"start": start, "ttft": arrivals[0] - start, "end": end, "tokens": len(arrivals),
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "text": text}
-
-
 async def one_after_another(url, jobs):
+    """The jobs one after another, each alone on the server: the results and the wall time."""
     async with httpx.AsyncClient(timeout=300) as client:
         start = time.perf_counter()
         results = [await stream(client, url, prompt, n) for prompt, n in jobs]
         return results, time.perf_counter() - start
-
-
-async def concurrently(url, jobs, probes=0, tolerate_errors=False):
-    """Send every job at once. Returns the results (with ``tolerate_errors``, a failed request
-    is its exception instead of a result), the wall time from the first request sent to the
-    last event received, and the probes' TTFTs."""
-    limits = httpx.Limits(max_connections=len(jobs) + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(stream(client, url, prompt, n)) for prompt, n in jobs]
-        probe_ttfts = []
-        if probes:
-            await asyncio.sleep(0.05)
-            for _ in range(probes):
-                if all(task.done() for task in tasks):
-                    break
-                probe = await stream(client, url, PROMPTS[0], 1)
-                probe_ttfts.append(probe["ttft"])
-        results = await asyncio.gather(*tasks, return_exceptions=tolerate_errors)
-        ends = [r["end"] for r in results if isinstance(r, dict)]
-        seconds = (max(ends) if ends else time.perf_counter()) - start
-        return results, seconds, probe_ttfts
-
-
-def metrics(url):
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {line.split()[0].removeprefix("helpers_server_"): float(line.split()[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def steps_between(before, after):
@@ -180,22 +107,15 @@ def steps_between(before, after):
 
 def sweep_run(url, clients, new_tokens):
     """``clients`` requests at once: the figures of one repetition of one level."""
-    jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
     before = metrics(url)
-    results, seconds, _ = asyncio.run(concurrently(url, jobs, tolerate_errors=True))
+    results, seconds, _ = at_once(url, jobs(clients, new_tokens), tolerate_errors=True)
     steps = steps_between(before, metrics(url))
     answered = [r for r in results if isinstance(r, dict)]
     errors = [f"{type(r).__name__}: {r}" for r in results if not isinstance(r, dict)]
     errors += [f"{r['tokens']} tokens instead of {new_tokens}" for r in answered
                if r["tokens"] != new_tokens]
-    tokens = sum(r["tokens"] for r in answered)
-    ttfts = [r["ttft"] for r in answered]
-    gaps = [gap for r in answered for gap in r["gaps"]]
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-            "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
-            "itl_p50": percentile(gaps, 50), "itl_p95": percentile(gaps, 95),
-            "steps_decode": steps["decode"], "steps_prefill": steps["prefill"],
-            "errors": errors}
+    return {**figures(answered, seconds), "steps_decode": steps["decode"],
+            "steps_prefill": steps["prefill"], "errors": errors}
 
 
 def sweep(url, levels, new_tokens, reps):
@@ -209,7 +129,7 @@ def sweep(url, levels, new_tokens, reps):
         def run():
             runs[n].append(sweep_run(url, n, new_tokens))
             return runs[n][-1]
-        return Candidate(run, clock=lambda figures: figures["seconds"])
+        return Candidate(run, clock=lambda run: run["seconds"])
 
     time_in_turns({f"{n} concurrent client(s)": level(n) for n in levels}, repeats=reps,
                   warmup=0, progress="sweep")
@@ -228,69 +148,16 @@ def sweep(url, levels, new_tokens, reps):
     return table
 
 
-# --- side by side with transformers serve --------------------------------------------------
-
-def side_by_side(url, theirs: TransformersServe, levels, new_tokens, reps):
-    """Each level's requests at once on our server and on ``transformers serve
-    --continuous-batching`` (``theirs``, maybe started already), both through OpenAI's
-    streaming /v1/completions, taking turns (after a warm-up round). Returns one entry per
-    level, or {"error": why} if their server could not run."""
-    model_path = theirs.model_path
-    runs = {n: {"ours": [], "theirs": []} for n in levels}
-
-    def side(n, server_url, extra, name):
-        jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(n)]
-
-        def run():
-            results, seconds = asyncio.run(openai_at_once(server_url, jobs, extra))
-            runs[n][name].append({"seconds": seconds, "texts": [r["text"] for r in results],
-                                  "tokens": sum(r["tokens"] for r in results)})
-            return seconds
-        return Candidate(run, clock=float)
-
-    print("waiting for transformers serve --continuous-batching ...", flush=True)
-    try:
-        with theirs as their_url:
-            candidates = {}
-            for n in levels:
-                candidates[f"ours, {n} clients"] = side(n, url, OURS_EXTRA, "ours")
-                candidates[f"transformers serve, {n} clients"] = side(
-                    n, their_url, theirs_extra(model_path), "theirs")
-            time_in_turns(candidates, repeats=reps, warmup=1, progress="side by side:")
-    except (RuntimeError, OSError, httpx.HTTPError) as err:
-        return {"error": f"{type(err).__name__}: {err}"}
-    return {"levels": [side_by_side_row(n, runs[n], reps) for n in levels]}
-
-
-def side_by_side_row(clients, run, reps):
-    """One level of the side-by-side run: tokens/s of each server (median of the timed
-    repetitions; the first run of each was the warm-up) and their ratio per repetition."""
-    timed = {name: run[name][-reps:] for name in ("ours", "theirs")}
-    rate = {name: [r["tokens"] / r["seconds"] for r in timed[name]] for name in timed}
-    ratios = [a / b for a, b in zip(rate["ours"], rate["theirs"])]
-    differences = [{"ours": a, "theirs": b} for ours, theirs in zip(run["ours"], run["theirs"])
-                   for a, b in zip(ours["texts"], theirs["texts"]) if a != b]
-    return {"clients": clients, "tokens": timed["ours"][0]["tokens"],
-            "ours_tokens_per_second": spread(rate["ours"]),
-            "theirs_tokens_per_second": spread(rate["theirs"]),
-            "ours_over_theirs": statistics.median(ratios),
-            "ours_over_theirs_per_run": [round(r, 2) for r in ratios],
-            "same_texts": not differences, "first_difference": differences[:1]}
-
-
 def bare_loop(model, tokenizer, jobs) -> list[tuple[str, str]]:
-    """The jobs one after another through lesson 03's decode loop on batch 1, in this process
-    (no server, no HTTP): ``init_batch``, then ``generate_next_token`` until the row is done,
-    EOS ignored as the requests ask. Returns each text twice: with the special tokens' text
-    (an EOS in the middle) and without it (a server may leave it out)."""
-    texts = []
-    for prompt, new_tokens in jobs:
-        batch = init_batch(tokenizer, [(prompt, new_tokens)])
-        while not all(batch.done):
-            generate_next_token(model, tokenizer, batch, stop_at_eos=False)
-        ids = batch.token_ids[0]
-        texts.append((tokenizer.decode(ids), tokenizer.decode(ids, skip_special_tokens=True)))
-    return texts
+    """The jobs one after another through lesson 03's decode loop on batch 1
+    (``generate_sequential``: ``init_batch``, then ``generate_next_token`` until the row is
+    done), in this process: no server, no HTTP; EOS ignored as the requests ask. Returns each
+    text twice: with the special tokens' text (an EOS in the middle) and without it (a server
+    may leave it out)."""
+    trace = Trace()
+    texts = generate_sequential(model, tokenizer, jobs, stop_at_eos=False, trace=trace)
+    return [(text, tokenizer.decode(ids, skip_special_tokens=True))
+            for text, ids in zip(texts, trace.token_ids)]
 
 
 def one_by_one_and_at_once(url, jobs, reps, probes, bare):
@@ -312,11 +179,11 @@ def one_by_one_and_at_once(url, jobs, reps, probes, bare):
 
     def concurrent():
         seen["before"] = metrics(url)
-        results, seconds, _ = asyncio.run(concurrently(url, jobs))
+        results, seconds, _ = at_once(url, jobs)
         seen["after"] = metrics(url)
         seen["ttft_load"] += record("concurrent", results)
         if probes:  # a separate concurrent run with probes, not counted in the tokens/s
-            seen["probes"] += asyncio.run(concurrently(url, jobs, probes=probes))[2]
+            seen["probes"] += at_once(url, jobs, probes=probes)[2]
         return seconds
 
     def bare_run():
@@ -343,177 +210,6 @@ def tokens_per_second(seen, name):
     return {"seconds": seen["timings"].median(name), "tokens": seen["tokens"][name][0],
             "tokens_per_second": statistics.median(rates(seen, name)),
             "runs_tokens_per_second": [round(r, 1) for r in rates(seen, name)]}
-
-
-def plot(result, path):
-    """Two panels: tokens/s versus clients, and TTFT p50/p95 versus clients (median over the
-    repetitions, bars from min to max)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    table = result["sweep"]["levels"]
-    clients = [row["clients"] for row in table]
-
-    def series(key, scale=1.0):
-        middle = [row[key]["median"] * scale for row in table]
-        below = [m - row[key]["min"] * scale for m, row in zip(middle, table)]
-        above = [row[key]["max"] * scale - m for m, row in zip(middle, table)]
-        return middle, [below, above]
-
-    figure = Figure(figsize=(11, 4.4), layout="constrained")
-    FigureCanvasAgg(figure)
-    left, right = figure.subplots(1, 2)
-    rate, bars = series("tokens_per_second")
-    left.errorbar(clients, rate, yerr=bars, marker="o", capsize=4, color="tab:blue")
-    for x, y in zip(clients, rate):
-        left.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(7, -12),
-                      ha="left", fontsize=9)
-    left.set_title("Throughput versus clients")
-    left.set_ylabel("generated tokens per second (all clients)")
-    left.set_ylim(bottom=0, top=max(rate) * 1.2)
-    for name, key, colour in (("p50", "ttft_p50_seconds", "tab:green"),
-                              ("p95", "ttft_p95_seconds", "tab:red")):
-        values, bars = series(key, 1e3)
-        right.errorbar(clients, values, yerr=bars, marker="o", capsize=4, color=colour,
-                       label=f"TTFT {name}")
-    right.set_title("Time to first token (TTFT) versus clients")
-    right.set_ylabel("time to first token (ms)")
-    right.set_ylim(bottom=0)
-    right.legend()
-    for ax in (left, right):
-        clients_axis(ax, clients)
-    sweep_info = result["sweep"]
-    figure.suptitle(
-        f"Course server, {sweep_info['new_tokens']} new tokens per request: {result['model']} "
-        f"model, {result['threads']} torch thread(s), {result['machine']}; median of "
-        f"{sweep_info['reps']} repetition(s), bars min-max", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-
-
-# --- the report -------------------------------------------------------------------------------
-
-def markdown(result):
-    seq, con, bare = result["one_after_another"], result["concurrent"], result["bare_loop"]
-    ttft = result["ttft_seconds"]
-    rows = [[label, f"{run['seconds']:.2f}", run["tokens"], f"{run['tokens_per_second']:.0f}",
-             f"{ttft[key]['p50'] * 1e3:.1f}", f"{ttft[key]['p95'] * 1e3:.1f}"]
-            for label, run, key in (("one after another (idle server)", seq, "idle"),
-                                    (f"{result['clients']} concurrent clients", con,
-                                     "under_load"))]
-    rows.append(["bare decode loop, batch 1, no server", f"{bare['seconds']:.2f}",
-                 bare["tokens"], f"{bare['tokens_per_second']:.0f}", "", ""])
-    probe, steps = ttft["probe_under_load"], result["server_steps"]
-    single = result["single_client"]
-    lines = [
-        "# Server benchmark (lesson 07)", "",
-        f"Model: `{result['model']}`; {result['machine']}; server: its default flags, "
-        f"{result['threads']} torch thread(s) (max batch size {result['max_batch_size']}, the "
-        f"model in {ENGINE_WORDS.get(result.get('engine'), 'a process or thread')}); run "
-        f"on {result['date']}; load average before the run {numbers(result['load_average'])}, "
-        f"after it {numbers(result['load_average_after'])}.", "",
-        "## 16 requests: one after another, all at once, and the bare decode loop", "",
-        f"{result['clients']} requests x {result['new_tokens']} new tokens (EOS ignored), "
-        f"streamed over HTTP on 127.0.0.1 (`/generate_stream`); the bare decode loop is lesson "
-        f"03's `init_batch` + `generate_next_token` on batch 1 in the benchmark's process; "
-        f"{result['reps']} repetition(s), median.", "",
-        *markdown_table(["run", "wall time (s)", "tokens", "tokens/s", "TTFT p50 (ms)",
-                         "TTFT p95 (ms)"], rows),
-        "",
-        f"- concurrent vs one after another: **{result['speedup']:.2f}x** the tokens/s "
-        f"(the median of the repetitions' ratios, which ranged "
-        f"{min(result['speedup_per_run']):.2f}-"
-        f"{max(result['speedup_per_run']):.2f}; target >= {TARGETS['speedup']}x).",
-        f"- one client (one after another) vs the bare decode loop: "
-        f"**{single['server_over_bare_loop']:.0%}** of its tokens/s (median; per repetition "
-        f"{min(single['per_run']):.0%}-{max(single['per_run']):.0%}; target >= "
-        f"{TARGETS['single_client']:.0%}).",
-        f"- TTFT of a request that joins the busy batch (single-token probes sent while the "
-        f"{result['clients']} clients stream): p50 {probe['p50'] * 1e3:.1f} "
-        f"ms, p95 {probe['p95'] * 1e3:.1f} ms ({probe['n']} probes).",
-        f"- server steps during one concurrent run: {steps['decode']} decode, "
-        f"{steps['prefill']} prefill; largest batch {steps['rows_max']} rows.",
-        f"- same texts in the three runs: {result['same_texts']}.", "",
-    ]
-    lines += sweep_markdown(result) + side_by_side_markdown(result)
-    return "\n".join(lines + ["Targets and checks: " + verdicts(result["targets_met"]), ""])
-
-
-def side_by_side_markdown(result):
-    compared = result["transformers_serve"]
-    lines = ["## Side by side with `transformers serve --continuous-batching`", ""]
-    if "error" in compared:
-        return lines + [f"Not run: {compared['error']}", ""]
-
-    def cell(figure):
-        return f"{figure['median']:.0f} ({figure['min']:.0f}-{figure['max']:.0f})"
-
-    rows = [[row["clients"], row["tokens"], cell(row["ours_tokens_per_second"]),
-             cell(row["theirs_tokens_per_second"]), f"**{row['ours_over_theirs']:.2f}x**",
-             row["same_texts"]] for row in compared["levels"]]
-    return lines + [
-        f"transformers {result['transformers']}: `transformers serve --continuous-batching "
-        f"--device {result.get('device', 'cpu')}` on the same model folder and device as ours, "
-        f"{result['threads']} torch thread(s) "
-        f"(OMP_NUM_THREADS). Each level: that many streaming requests at once on OpenAI's "
-        f"`/v1/completions` of each server, the course prompts, {result['new_tokens']} new "
-        f"tokens each with EOS ignored, greedy; tokens counted from each stream's usage. The "
-        f"servers take turns; median over {result['reps']} repetition(s) (min-max).", "",
-        *markdown_table(["clients", "tokens", "ours (tokens/s)", "transformers serve "
-                         "(tokens/s)", "ours / theirs", "same texts"], rows, "rrrrrl"), "",
-        f"Target: >= {TARGETS['transformers']}x at {COMPARE_TARGET_CLIENTS} clients.", ""]
-
-
-def sweep_markdown(result):
-    info = result["sweep"]
-
-    def cell(figure, scale=1.0, digits=1):
-        middle, low, high = (figure[k] * scale for k in ("median", "min", "max"))
-        return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
-
-    rows = [[row["clients"], cell(row["wall_seconds"], digits=2), f"{row['tokens']:.0f}",
-             cell(row["tokens_per_second"], digits=0), cell(row["ttft_p50_seconds"], 1e3),
-             cell(row["ttft_p95_seconds"], 1e3), cell(row["itl_p50_seconds"], 1e3),
-             cell(row["itl_p95_seconds"], 1e3),
-             f"{row['server_decode_steps']['median']:.0f} / "
-             f"{row['server_prefill_steps']['median']:.0f}", len(row["errors"])]
-            for row in info["levels"]]
-    first, last = info["levels"][0], info["levels"][-1]
-
-    def ratio(key):
-        below = first[key]["median"]
-        return last[key]["median"] / below if below else float("nan")
-
-    lines = [
-        "## Sweep over concurrency", "",
-        f"Each level: that many streaming requests sent at once, each a course prompt with "
-        f"{info['new_tokens']} new tokens (EOS ignored), against the same server process; "
-        f"median over {info['reps']} repetition(s), (min-max) in brackets. Inter-token latency "
-        f"(ITL): the time between two consecutive events of one stream, as the client reads "
-        f"them, over every stream of the run. Every request opens its own connection, so TTFT "
-        f"includes connecting. Plot: [server.png](server.png).", "",
-        *markdown_table(["clients", "wall time (s)", "tokens", "tokens/s", "TTFT p50 (ms)",
-                         "TTFT p95 (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
-                         "server steps, decode / prefill", "failed"], rows), "",
-        f"- {last['clients']} clients vs {first['clients']}: {ratio('tokens_per_second'):.1f}x "
-        f"the tokens/s; TTFT p50 {ratio('ttft_p50_seconds'):.1f}x, ITL p50 "
-        f"{ratio('itl_p50_seconds'):.1f}x. Largest batch the server ran: {info['rows_max']} "
-        f"rows."]
-    failures = [(row["clients"], e) for row in info["levels"] for e in row["errors"]]
-    if failures:
-        lines.append(f"- failed requests: {len(failures)}; first: {failures[0][1]} "
-                     f"({failures[0][0]} clients).")
-    return lines + [""]
-
-
-def levels_argument(text):
-    try:
-        levels = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
-    if not levels or levels[0] < 1:
-        raise argparse.ArgumentTypeError("the levels must be positive integers")
-    return levels
 
 
 def parse_args(argv=None):
@@ -570,13 +266,13 @@ def main(argv=None):
     result = describe_run(args)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device)
-    jobs = [(PROMPTS[i % len(PROMPTS)], args.new_tokens) for i in range(args.clients)]
+    work = jobs(args.clients, args.new_tokens)
     print("starting the servers ...", flush=True)
     options = {"max_batch_size": args.max_batch_size, "engine": args.engine}
     ours = serve_in_background(args.model, name="bench-server", threads=args.threads,
                                device=args.device, wait=False, **options)
     # Their server starts now, while ours does (each takes seconds to import and load), and
-    # stays idle until the side-by-side part. (If it cannot start, side_by_side says why.)
+    # stays idle until the side-by-side part. (If it cannot start, against_transformers says why.)
     theirs = TransformersServe(resolve_model_name(args.model), args.threads,
                                max(args.compare_levels), model_context(model) or 2048,
                                device=args.device)
@@ -588,13 +284,14 @@ def main(argv=None):
             theirs.wait()                     # loaded and idle before anything is timed
         info = httpx.get(url + "/info", timeout=10).json()
         result["max_batch_size"], result["engine"] = info["max_batch_size"], info["engine"]
-        asyncio.run(one_after_another(url, jobs[:2]))        # warm-up
-        bare_loop(model, tokenizer, jobs[:2])
-        seen = one_by_one_and_at_once(url, jobs, args.reps, args.probes,
+        asyncio.run(one_after_another(url, work[:2]))        # warm-up
+        bare_loop(model, tokenizer, work[:2])
+        seen = one_by_one_and_at_once(url, work, args.reps, args.probes,
                                       lambda js: bare_loop(model, tokenizer, js))
         sweep_table = sweep(url, args.levels, args.new_tokens, args.sweep_reps)
         rows_max = int(metrics(url).get("rows_max", 0))
-        compared = side_by_side(url, theirs, args.compare_levels, args.new_tokens, args.reps)
+        compared = against_transformers(url, theirs, args.compare_levels, args.new_tokens,
+                                        args.reps)
     result.update(summarise(seen), sweep={"new_tokens": args.new_tokens,
                                           "reps": args.sweep_reps, "rows_max": rows_max,
                                           "levels": sweep_table},
@@ -623,29 +320,6 @@ def describe_run(args) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
         "transformers": transformers.__version__,
-    }
-
-
-def compared_at(result, clients):
-    """The side-by-side row for ``clients``, or None (not measured, or their server failed)."""
-    rows = result["transformers_serve"].get("levels", [])
-    return next((row for row in rows if row["clients"] == clients), None)
-
-
-def targets_met(result) -> dict:
-    single = result["single_client"]["server_over_bare_loop"]
-    at_target = compared_at(result, COMPARE_TARGET_CLIENTS)
-    return {
-        f"concurrent >= {TARGETS['speedup']}x tokens/s": result["speedup"] >= TARGETS["speedup"],
-        f"one client >= {TARGETS['single_client']:.0%} of the bare decode loop":
-            single >= TARGETS["single_client"],
-        f">= {TARGETS['transformers']}x transformers serve at {COMPARE_TARGET_CLIENTS} clients":
-            at_target is not None and at_target["ours_over_theirs"] >= TARGETS["transformers"],
-        "same texts": result["same_texts"],
-        "same texts as transformers serve": bool(result["transformers_serve"].get("levels")) and
-            all(row["same_texts"] for row in result["transformers_serve"]["levels"]),
-        "sweep requests all answered in full":
-            not any(row["errors"] for row in result["sweep"]["levels"]),
     }
 
 

@@ -32,10 +32,10 @@ import pathlib
 import sys
 
 import torch
-import transformers
 
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, pyplot,
-                                   save_figure, verdicts, write_results)
+from benchmarks.plots import pyplot, save_figure
+from benchmarks.results_io import markdown_table, numbers, run_facts, verdicts, write_results
+from benchmarks.targets import SPECULATIVE as TARGETS
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
 from helpers.corpus import RHYMES, corpus
@@ -43,7 +43,6 @@ from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLook
                                  speculative_generate, transformers_speculative)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGETS = {"lookup": 1.5, "ours_vs_transformers": 1.0}
 LOOKUP_K, DRAFT_KS, HF_DRAFT_K = 8, (1, 2, 4), 2
 COPY_TOKENS, STORY_TOKENS = 60, 48
 
@@ -237,9 +236,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model, tokenizer = load_model(device="cpu")
     draft, _ = load_model(DRAFT_MODEL_DIR, device="cpu")
-    result = {"reps": reps, "threads": torch.get_num_threads(), "load_average": load_average(),
-              "machine": machine(), "torch": torch.__version__,
-              "transformers": transformers.__version__}
+    result = {"reps": reps, **run_facts()}
     print(f"story continuation: plain, draft k={DRAFT_KS}, transformers (x{reps}) ...", flush=True)
     result["story"] = story_task(model, draft, tokenizer, story_prompts(tokenizer, n), reps)
     print(f"copy task: plain vs prompt lookup, ours and transformers' (x{reps}) ...", flush=True)

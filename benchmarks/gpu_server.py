@@ -13,8 +13,9 @@ figures a GPU run records. Part of ``make test-gpu`` (``scripts/run_lessons_gpu.
    base requests, requests with each shipped adapter, long prompts, alone and together. The
    capture and compile counts must not move, no request may fail (a NaN would fail it), and
    the GPU memory in use must end where it began.
-3. **The model step** at 1, 8 and 64 rows, timed with CUDA events: the eager step, the
-   compiled step, and the replay of a graph (the staging copy included).
+3. **The model step** at 1, 8 and 64 rows, with lesson 10's pieces (its static-cache decode
+   step of the same model): the eager step, the compiled step, and the replay of a graph (the
+   copy of the inputs included), each size's fastest step.
 4. **The server**, as clients see it: two servers started as users start them (graphs off,
    then on; the same compiled step), streaming clients at 1, 16 and 64 (64 new tokens each):
    tokens/s, TTFT p50, the gap between tokens p50/p95.
@@ -28,9 +29,7 @@ clients >= 1.5x the tokens/s without graphs. ``run`` returns {"lines": [...], "c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
 import sys
 import threading
 import time
@@ -38,15 +37,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_server import concurrently, percentile
+from benchmarks import PROMPTS
+from benchmarks.engines import make_engine, stand_in_capture
+from benchmarks.serving import at_once, figures, jobs
 from helpers import load_model
 from helpers.batching import generate_sequential
 from helpers.server import serve_in_background
 from helpers.server.contract import ErrorEvent, GenerationParams, Submission, TokenEvent
-from helpers.server.paged_engine import PagedEngine
 
-PROMPTS = ["The quick brown fox jumped over the", "The rain in Spain falls", "What comes up must",
-           "Jack and Jill", "Humpty Dumpty sat"]
 ADAPTERS = ["entities", "rhymes", "sad", "title"]
 NEW_TOKENS = 64
 TARGETS = {"gap_ms_1_client": 0.7, "step_ms_1_row": 0.3, "graphs_speedup_64": 1.5}
@@ -54,13 +52,13 @@ TARGETS = {"gap_ms_1_client": 0.7, "step_ms_1_row": 0.3, "graphs_speedup_64": 1.
 
 # --- in-process engines -----------------------------------------------------------------------
 
-def _engine(graphs: bool, device: str, capture=None) -> PagedEngine:
+def start_engine(graphs: bool, device: str, capture=None):
     model, tokenizer = load_model(device=device)
-    return PagedEngine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
-                       cuda_graphs="on" if graphs else "off", capture=capture).start()
+    return make_engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
+                       cuda_graphs="on" if graphs else "off", capture=capture)
 
 
-def _submit_all(engine, requests, spacing: float = 0.0) -> list[list[int]]:
+def submit_all(engine, requests, spacing: float = 0.0) -> list[list[int]]:
     """Submit (prompt, params) pairs (``spacing`` seconds apart); each one's token ids."""
     done = [threading.Event() for _ in requests]
     tokens: list[list[int]] = [[] for _ in requests]
@@ -90,7 +88,7 @@ def _submit_all(engine, requests, spacing: float = 0.0) -> list[list[int]]:
     return tokens
 
 
-def _requests(count: int, new_tokens: int = NEW_TOKENS, adapter=None):
+def requests_of(count: int, new_tokens: int = NEW_TOKENS, adapter=None):
     return [(PROMPTS[i % len(PROMPTS)], GenerationParams(max_new_tokens=new_tokens,
                                                          ignore_eos_token=True,
                                                          adapter_id=adapter))
@@ -102,18 +100,18 @@ def same_tokens(graphed, plain, reference) -> tuple[dict, list[str]]:
     checks, lines = {}, []
     model, tokenizer = reference
     for clients in (1, 3, 16, 64):
-        requests = _requests(clients)
-        a, b = _submit_all(graphed, requests), _submit_all(plain, requests)
+        requests = requests_of(clients)
+        a, b = submit_all(graphed, requests), submit_all(plain, requests)
         checks[f"same_tokens_{clients}"] = a == b
         lines.append(f"{clients} requests at once: graphs on and off give the same tokens: "
                      f"{a == b}")
-    requests = _requests(16)
-    a, b = _submit_all(graphed, requests, spacing=0.003), _submit_all(plain, requests)
+    requests = requests_of(16)
+    a, b = submit_all(graphed, requests, spacing=0.003), submit_all(plain, requests)
     checks["same_tokens_staggered"] = a == b
     lines.append(f"16 requests 3 ms apart: same tokens: {a == b}")
     texts = generate_sequential(model, tokenizer, [(PROMPTS[0], NEW_TOKENS)], stop_at_eos=False)
     want = tokenizer(texts[0], add_special_tokens=False)["input_ids"]
-    got = _submit_all(graphed, _requests(1))[0]
+    got = submit_all(graphed, requests_of(1))[0]
     checks["lesson_01_tokens"] = got == want
     lines.append(f"one request against lesson 01's loop: same tokens: {got == want}")
     return checks, lines
@@ -124,7 +122,7 @@ def no_recapture(graphed, steps: int = 1000) -> tuple[dict, list[str]]:
     device = graphed.model.device
     # Every adapter once first: loading one adds its weights to the stacks (memory that stays,
     # by design), so the memory in use is compared from there on.
-    _submit_all(graphed, [(PROMPTS[0], GenerationParams(max_new_tokens=2, adapter_id=name))
+    submit_all(graphed, [(PROMPTS[0], GenerationParams(max_new_tokens=2, adapter_id=name))
                           for name in ADAPTERS])
     before = graphed.snapshot()
     torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -135,9 +133,9 @@ def no_recapture(graphed, steps: int = 1000) -> tuple[dict, list[str]]:
             "steps_prefill", 0) - before.get("steps_decode", 0) - before.get(
             "steps_prefill", 0) < steps:
         adapter = ADAPTERS[waves % len(ADAPTERS)] if waves % 3 == 1 else None
-        requests = _requests(1 + (waves * 7) % 40, 8 + (waves * 5) % 40)
-        requests += _requests(2, 12, adapter) + [(long_prompt, GenerationParams(max_new_tokens=9))]
-        _submit_all(graphed, requests, spacing=0.001 * (waves % 2))
+        requests = requests_of(1 + (waves * 7) % 40, 8 + (waves * 5) % 40)
+        requests += requests_of(2, 12, adapter) + [(long_prompt, GenerationParams(max_new_tokens=9))]
+        submit_all(graphed, requests, spacing=0.001 * (waves % 2))
         waves += 1
     after = graphed.snapshot()
     memory_after = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -162,49 +160,27 @@ def no_recapture(graphed, steps: int = 1000) -> tuple[dict, list[str]]:
     return checks, lines
 
 
-def step_times(graphed, rows=(1, 8, 64), repeats: int = 200) -> tuple[dict, list[str]]:
-    """Part 3: ms per model step (CUDA events; wall clock on a CPU): the eager step, the
-    compiled step, the graph's replay with its staging copy. Rows on a block of their own."""
-    packed, graphs, manager = graphed.packed, graphed.graphs, graphed.cache.manager
-    device = graphed.model.device
-    cuda = device.type == "cuda"
-    figures, lines = {}, ["ms per model step   " + "".join(f"{f'{r} rows':>10}" for r in rows)]
+def step_times(model, tokenizer, rows=(1, 8, 64), repeats: int = 3) -> tuple[dict, list[str]]:
+    """Part 3: ms per model step of lesson 10's static-cache decode step: eager, compiled,
+    and the replay of its CUDA graph; each size's fastest step."""
+    from helpers.compilation import (capture_steps, course_prompts, static_decode_step,
+                                     time_decode, time_graphed)
 
-    def timed(fn) -> float:
-        for _ in range(5):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                began = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(samples)
-
-    with graphed._model_lock, torch.inference_mode():
-        table = {"eager": {}, "compiled": {}, "graph replay": {}}
-        for count in rows:
-            manager.allocate("timing", [0] * 8, 8 * count)
-            tables = [manager.grow("timing", 8)] * count
-            starts, ids, counts = [7] * count, [5] * count, [1] * count
-            compiled, packed.compiled = packed.compiled, False
-            forward, packed._forward = packed._forward, packed._run_model
-            table["eager"][count] = timed(lambda: packed._run(starts, counts, tables, ids))
-            packed.compiled, packed._forward = compiled, forward
-            table["compiled"][count] = timed(lambda: packed._run(starts, counts, tables, ids))
-            table["graph replay"][count] = timed(lambda: graphs.run(starts, tables, ids))
-            manager.free_request("timing")
-    for name, values in table.items():
-        lines.append(f"{name:19s}" + "".join(f"{values[r]:10.3f}" for r in rows))
-        figures[name] = values
+    prompts = course_prompts(tokenizer, n=max(rows))
+    steps, length = 20, prompts.shape[1] + 21
+    step = static_decode_step(model)
+    compiled = torch.compile(step, dynamic=False)
+    measured = {name: time_decode(model, prompts, rows, step=fn, steps=steps, repeats=repeats,
+                                  max_cache_len=length, progress=False)
+                for name, fn in (("eager", step), ("compiled", compiled))}
+    graphs = capture_steps(compiled, model, rows, max_cache_len=length)
+    measured["graph replay"] = time_graphed(model, graphs, prompts, rows,
+                                            tokenizer.pad_token_id, steps, repeats)
+    figures = {name: {r: t.seconds_per_step * 1e3 for r, t in by_rows.items()}
+               for name, by_rows in measured.items()}
+    lines = ["ms per model step   " + "".join(f"{f'{r} rows':>10}" for r in rows)]
+    lines += [f"{name:19s}" + "".join(f"{values[r]:10.3f}" for r in rows)
+              for name, values in figures.items()]
     return figures, lines
 
 
@@ -216,20 +192,16 @@ def serve_levels(device: str, graphs: str, levels, new_tokens: int, turns: int) 
     server = serve_in_background(device=device, cuda_graphs=graphs, timeout=600,
                                  name=f"gpu-{graphs}")
     try:
-        asyncio.run(concurrently(server.url, [(PROMPTS[0], 4)]))        # a warm-up request
+        at_once(server.url, jobs(1, 4))                                  # a warm-up request
         out = {}
         for clients in levels:
             best = None
             for _ in range(turns):
-                jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
-                results, seconds, _ = asyncio.run(concurrently(server.url, jobs))
-                tokens = sum(r["tokens"] for r in results)
-                gaps = [g for r in results for g in r["gaps"]]
-                run = {"tokens_per_s": tokens / seconds,
-                       "ttft_p50_ms": percentile([r["ttft"] for r in results], 50) * 1e3,
-                       "gap_p50_ms": percentile(gaps, 50) * 1e3,
-                       "gap_p95_ms": percentile(gaps, 95) * 1e3,
-                       "texts": [r["text"] for r in results]}
+                results, seconds, _ = at_once(server.url, jobs(clients, new_tokens))
+                run = figures(results, seconds)
+                run = {"tokens_per_s": run["tokens_per_second"],
+                       "ttft_p50_ms": run["ttft_p50"] * 1e3, "gap_p50_ms": run["itl_p50"] * 1e3,
+                       "gap_p95_ms": run["itl_p95"] * 1e3, "texts": [r["text"] for r in results]}
                 if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
                     best = run
             out[clients] = best
@@ -251,8 +223,7 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
     device = "cuda" if cuda else "cpu"
     capture = None
     if not cuda:                      # a CPU: the stand-in capture, to check this script
-        from helpers.server.graphs import rerun_each_replay
-        capture = rerun_each_replay
+        capture = stand_in_capture()
     lines, checks, figures = [f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}"], {}, {}
 
     def left() -> float:
@@ -263,11 +234,11 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
         print(f"[gpu_server {time.monotonic() - start:6.1f} s] {line}", flush=True)
 
     began = time.monotonic()
-    graphed = _engine(True, device, capture)
+    graphed = start_engine(True, device, capture)
     say(f"graphed engine ready in {time.monotonic() - began:.1f} s "
         f"(captures {graphed.snapshot()['cuda_graph_captures']}, "
         f"compiles {graphed.snapshot()['compiles']})")
-    plain = _engine(False, device)
+    plain = start_engine(False, device)
     try:
         reference = (plain.model, plain.tokenizer)
         part, part_lines = same_tokens(graphed, plain, reference)
@@ -282,7 +253,8 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
         else:
             say("skipped the 1,000 mixed steps: time budget")
         if left() > 30:
-            figures["step_ms"], part_lines = step_times(graphed, repeats=20 if quick else 200)
+            rows = (1, 8) if quick else (1, 8, 64)
+            figures["step_ms"], part_lines = step_times(*reference, rows, 2 if quick else 5)
             for line in part_lines:
                 say(line)
     finally:

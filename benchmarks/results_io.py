@@ -1,6 +1,6 @@
 """Where every benchmark leaves its figures: ``<name>.json`` (all numbers) and ``<name>.md``
 (the table the README links), side by side in one folder; and the pieces every report is
-written with (one table writer, the checks line, the machine)."""
+written with (one table writer, the checks line, the machine). Figures: ``plots``."""
 
 import json
 import pathlib
@@ -29,6 +29,17 @@ def machine() -> str:
     except OSError:  # not Linux
         pass
     return f"{name or 'unknown CPU'} ({platform.machine()}), {os.cpu_count()} cores"
+
+
+def run_facts() -> dict:
+    """What a result records about the run: torch threads, load average before it, the
+    machine, and the versions of torch and transformers."""
+    import torch
+    import transformers
+
+    return {"threads": torch.get_num_threads(), "load_average": load_average(),
+            "machine": machine(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def markdown_table(header: list[str], rows, align: str = "") -> list[str]:
@@ -61,27 +72,3 @@ def numbers(values, digits: int = 1) -> str:
 def min_max(figure: dict, scale: float = 1.0, digits: int = 3) -> str:
     """The spread of a figure (``timing.spread``) as "min-max"."""
     return f"{figure['min'] * scale:.{digits}f}-{figure['max'] * scale:.{digits}f}"
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend: figures go to files, no window opens."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save_figure(fig, path, dpi: int = 110) -> None:
-    """Lay ``fig`` out, write it as a PNG to ``path`` and free it."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
-
-
-def clients_axis(ax, clients) -> None:
-    """An x axis of concurrent clients (1, 4, 16, 64, ...): log 2, one tick a level, a grid."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(clients, [str(c) for c in clients])
-    ax.minorticks_off()
-    ax.set_xlabel("concurrent streaming clients")
-    ax.grid(alpha=0.3)

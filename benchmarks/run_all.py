@@ -29,6 +29,7 @@ import sys
 import time
 
 from benchmarks.results_io import machine, markdown_table
+from benchmarks.targets import BATCHING, LORA, PAGED, QUANTIZATION, SERVER, SPECULATIVE
 
 HERE = pathlib.Path(__file__).resolve().parent
 #: Reports written apart from this run (``make bench-vllm``), linked from the summary.
@@ -103,12 +104,14 @@ def decoding_rows(dec, add) -> None:
 
 def batching_rows(bat, add) -> None:
     q, g = bat["course_queue"], bat["generate"]
-    add("continuous vs static, course queue (time ratio)", _x(q["speedup"]), ">= 3.0x",
-        q["speedup"] >= 3.0)
-    add("decode steps / ideal bound, course queue", f"{q['steps_over_ideal']:.3f}", "<= 1.15",
-        q["steps_over_ideal"] <= 1.15)
+    add("continuous vs static, course queue (time ratio)", _x(q["speedup"]),
+        f">= {BATCHING['speedup']:g}x", q["speedup"] >= BATCHING["speedup"])
+    add("decode steps / ideal bound, course queue", f"{q['steps_over_ideal']:.3f}",
+        f"<= {BATCHING['steps_over_ideal']:g}",
+        q["steps_over_ideal"] <= BATCHING["steps_over_ideal"])
     add("our batched decode / `model.generate` (time)", _x(g["ours_over_generate"]),
-        "<= 1.2x", g["ours_over_generate"] <= 1.2)
+        f"<= {BATCHING['ours_over_generate']:g}x",
+        g["ours_over_generate"] <= BATCHING["ours_over_generate"])
     if "generate_batch" in bat:
         add("our continuous batching / transformers `generate_batch`, course queue (time)",
             _x(bat["generate_batch"]["ours_over_generate_batch"]))
@@ -117,7 +120,8 @@ def batching_rows(bat, add) -> None:
         d = lt["drivers"]
         add(f"continuous vs static, {d['requests']} long-tailed requests", _x(d["speedup"]))
         add("decode steps / ideal bound, long-tailed queue", f"{d['steps_over_ideal']:.3f}",
-            "<= 1.15", d["steps_over_ideal"] <= 1.15)
+            f"<= {BATCHING['steps_over_ideal']:g}",
+            d["steps_over_ideal"] <= BATCHING["steps_over_ideal"])
         if "generate_batch" in lt:
             add("our continuous batching / `generate_batch`, long-tailed queue (time)",
                 _x(lt["generate_batch"]["ours_over_generate_batch"]))
@@ -128,8 +132,9 @@ def quantization_rows(quant, add) -> None:
     fp32 = by_name["fp32"]
     tensor = by_name.get("uint8 per-tensor")
     if tensor:
-        add("uint8 per-tensor footprint / fp32", f"{tensor['ratio_to_fp32']:.4f}", "<= 0.27",
-            tensor["ratio_to_fp32"] <= 0.27)
+        add("uint8 per-tensor footprint / fp32", f"{tensor['ratio_to_fp32']:.4f}",
+            f"<= {QUANTIZATION['per_tensor_footprint']:g}",
+            tensor["ratio_to_fp32"] <= QUANTIZATION["per_tensor_footprint"])
         add("perplexity fp32 → uint8 per-tensor",
             f"{fp32['perplexity']:.4f} → {tensor['perplexity']:.4f}")
     ao = next((r for n, r in by_name.items() if n.startswith("torchao int8")), None)
@@ -147,12 +152,14 @@ def lora_rows(lora, add) -> None:
         at_64 = [r for r in toy if r["batch"] == 64]
         if at_64:
             add(f"gathered vs loop, toy model, batch 64, 64 adapters, {threads} thread(s) "
-                "(time ratio)", _x(at_64[0]["lora_ratio"]), ">= 5x", at_64[0]["lora_ratio"] >= 5)
+                "(time ratio)", _x(at_64[0]["lora_ratio"]), f">= {LORA['gathered_at_64']:g}x",
+                at_64[0]["lora_ratio"] >= LORA["gathered_at_64"])
     real = lora.get("real")
     if real:
         add(f"ours vs peft mixed batch, shipped adapters ({len(real['adapters'])} + none), "
             f"batch {real['batch']} (time ratio)", _x(real["peft_over_ours_total_s"]),
-            ">= 2x", real["peft_over_ours_total_s"] >= 2)
+            f">= {LORA['peft_over_ours']:g}x",
+            real["peft_over_ours_total_s"] >= LORA["peft_over_ours"])
         add("  ceiling of that ratio: peft / base model with no adapters",
             _x(real["peft_over_base_total_s"]))
     grid = lora.get("real_grid", {})
@@ -169,21 +176,23 @@ def lora_rows(lora, add) -> None:
 
 def server_rows(server, add) -> None:
     add(f"server: {server['clients']} concurrent streams vs one after another (tokens/s)",
-        _x(server["speedup"]), ">= 4x", server["speedup"] >= 4)
+        _x(server["speedup"]), f">= {SERVER['speedup']:g}x",
+        server["speedup"] >= SERVER["speedup"])
     single = server.get("single_client")
     if single:
         add("server: one client vs the bare decode loop on the same prompts (tokens/s)",
-            f"{single['server_over_bare_loop']:.0%}", ">= 70%",
-            single["server_over_bare_loop"] >= 0.70)
+            f"{single['server_over_bare_loop']:.0%}", f">= {SERVER['single_client']:.0%}",
+            single["server_over_bare_loop"] >= SERVER["single_client"])
     compared = server.get("transformers_serve", {})
     if "error" in compared:
         add("server vs `transformers serve --continuous-batching`", "not run: " +
-            compared["error"][:80], ">= 1.5x at 16 clients", False)
+            compared["error"][:80], f">= {SERVER['transformers']:g}x at 16 clients", False)
     for row in compared.get("levels", []):
         target = row["clients"] == 16
         add(f"server vs `transformers serve --continuous-batching`, {row['clients']} "
             "streaming clients (tokens/s)", _x(row["ours_over_theirs"]),
-            ">= 1.5x" if target else "", row["ours_over_theirs"] >= 1.5 if target else None)
+            f">= {SERVER['transformers']:g}x" if target else "",
+            row["ours_over_theirs"] >= SERVER["transformers"] if target else None)
     for level in server.get("sweep", {}).get("levels", []):
         add(f"server: {level['clients']} concurrent clients, tokens/s (TTFT p50)",
             f"{level['tokens_per_second']['median']:.0f} "
@@ -192,8 +201,8 @@ def server_rows(server, add) -> None:
 
 def paged_rows(paged, add) -> None:
     c, p, g, t = (paged[k] for k in ("concurrency", "prefix", "chunked", "throughput"))
-    add("paged vs padded: requests at once in one KV budget", _x(c["ratio"]), ">= 2x",
-        c["ratio"] >= 2)
+    add("paged vs padded: requests at once in one KV budget", _x(c["ratio"]),
+        f">= {PAGED['concurrency']:g}x", c["ratio"] >= PAGED["concurrency"])
     add(f"TTFT, {p['prefix_tokens']}-token prefix: fresh vs cached (time ratio)", _x(p["ratio"]),
         ">= 3x", p["ratio"] >= 3)
     add(f"worst inter-token gap while a long prompt arrives: whole vs chunks of {g['chunk']}",
@@ -209,14 +218,17 @@ def speculative_rows(spec, add) -> None:
     c, s = spec["copy"], spec["story"]
     add(f"prompt lookup (k={c['k']}) vs plain greedy, an answer that repeats its prompt "
         "(tokens/s, same text)",
-        _x(c["lookup_over_plain"]), ">= 1.5x", c["lookup_over_plain"] >= 1.5 and c["same_text"])
+        _x(c["lookup_over_plain"]), f">= {SPECULATIVE['lookup']:g}x",
+        c["lookup_over_plain"] >= SPECULATIVE["lookup"] and c["same_text"])
     best = max(s["by_k"], key=lambda row: row["over_plain"])
     add(f"draft model vs plain greedy, stories, best k={best['k']} (tokens/s; acceptance "
         f"{best['acceptance']:.0%})", _x(best["over_plain"]))
     add("ours vs transformers prompt lookup, same prompts and k (tokens/s)",
-        _x(c["ours_over_transformers"]), ">= 1.0x", c["ours_over_transformers"] >= 1.0)
+        _x(c["ours_over_transformers"]), f">= {SPECULATIVE['ours_vs_transformers']:g}x",
+        c["ours_over_transformers"] >= SPECULATIVE["ours_vs_transformers"])
     add("ours vs transformers assisted generation, same prompts and k (tokens/s)",
-        _x(s["ours_over_transformers"]), ">= 1.0x", s["ours_over_transformers"] >= 1.0)
+        _x(s["ours_over_transformers"]), f">= {SPECULATIVE['ours_vs_transformers']:g}x",
+        s["ours_over_transformers"] >= SPECULATIVE["ours_vs_transformers"])
 
 
 def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
@@ -243,8 +255,8 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
     what = {"bench_vllm": "from `make bench-vllm` (the course server beside real vLLM, "
                           "defaults against defaults, 1, 16 and 64 streaming clients; plot: "
                           "[vllm.png](vllm.png))",
-            "profile_servers": "from `python -m benchmarks.profile_servers` or `python -m "
-                               "benchmarks.vllm_compare --profile` (where each server's time "
+            "profile_servers": "from `python -m benchmarks.vllm.profile` or `python -m "
+                               "benchmarks.vllm.compare --profile` (where each server's time "
                                "goes, py-spy)"}
     apart = [f"[{name}.md]({name}.md) {what[name]}" for name in APART
              if (out / f"{name}.md").exists()]

@@ -71,13 +71,14 @@ def synchronize(device) -> None:
 
 def time_in_turns(candidates: dict[str, Candidate | Callable[[], Any]], repeats: int,
                   warmup: int = 1, number: int = 1, device="cpu",
-                  progress: str | None = None) -> Timings:
+                  progress: str | None = None, alternate: bool = False) -> Timings:
     """Time each candidate ``repeats`` times, taking turns, after ``warmup`` untimed rounds.
 
     ``candidates``: ``{name: Candidate}`` or ``{name: function}`` (a function is a Candidate
     with nothing to prepare, on the wall clock). With ``number`` > 1 a sample is the mean of
     that many calls in a row (for calls too short for one clock reading). ``progress``
-    prints a line before each timed run, starting with that text.
+    prints a line before each timed run, starting with that text. With ``alternate`` every
+    other round runs the candidates in the reverse order (none of them always goes first).
     """
     if repeats < 1 or warmup < 0 or number < 1:
         raise ValueError(f"need repeats >= 1, warmup >= 0 and number >= 1, got {repeats}, "
@@ -90,7 +91,8 @@ def time_in_turns(candidates: dict[str, Candidate | Callable[[], Any]], repeats:
     last = {}
     for repetition in range(warmup + repeats):
         timed = repetition >= warmup
-        for name, candidate in candidates.items():
+        order = list(candidates.items())
+        for name, candidate in (order[::-1] if alternate and repetition % 2 else order):
             if progress and timed:
                 print(f"{progress} repetition {repetition - warmup + 1}/{repeats}: {name} ...",
                       flush=True)
@@ -111,6 +113,23 @@ def _sample(candidate: Candidate, number: int, device) -> tuple[float, Any]:
     synchronize(device)
     wall = (time.perf_counter() - start) / number
     return (candidate.clock(result) if candidate.clock else wall), result
+
+
+def traced(driver, *args, **kwargs) -> Candidate:
+    """A call of one of the course's batching drivers, timed by its own ``Trace`` (whose clock
+    covers the whole run): the candidate returns (answers, trace)."""
+    from helpers.batching import Trace
+
+    def run():
+        trace = Trace()
+        return driver(*args, trace=trace, **kwargs), trace
+    return Candidate(run, clock=lambda out: out[1].seconds)
+
+
+def timed_once(fn: Callable[[], Any], device="cpu") -> tuple[Any, float]:
+    """One call of ``fn``, not repeated (a set-up, a compilation): what it returned and its
+    seconds."""
+    return _sample(Candidate(fn), 1, device)[::-1]
 
 
 def calls_per_sample(fn: Callable[[], Any], at_least_s: float = 5e-4) -> int:

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import run_all
 from benchmarks.results_io import markdown_table
 from benchmarks.timing import (Candidate, busy_share, calls_per_sample, spread, time_in_turns,
-                               wait_until_idle)
+                               timed_once, wait_until_idle)
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -75,6 +75,47 @@ def test_time_in_turns_clock_prepare_and_number():
     assert calls_per_sample(lambda: None) > 1            # a no-op is far below 0.5 ms
 
 
+def test_timed_once_returns_what_the_call_returned_and_its_time():
+    value, seconds = timed_once(lambda: (time.sleep(0.02), "done")[1])
+    assert value == "done" and 0.02 <= seconds < 1.0
+
+
+def test_time_in_turns_alternates_the_order_when_asked():
+    calls = []
+    time_in_turns({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                  repeats=2, warmup=1, alternate=True)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_side_by_side_takes_turns_and_keeps_the_timed_ones(monkeypatch):
+    """serving.side_by_side (the vLLM and the transformers serve comparisons): every level on
+    both servers in each turn, the order reversed from turn to turn, an idle wait before each
+    run when asked, the untimed round left out; different_texts names the prompts that
+    differ."""
+    from benchmarks import serving
+
+    order = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, clients, new_tokens):
+            order.append((self.name, clients))
+            return {"seconds": 0.01 * len(order), "texts": {"Jack": [self.name]}}
+
+    monkeypatch.setattr(serving, "wait_until_idle", lambda: 0.25)
+    runs = serving.side_by_side({"ours": Stub("ours"), "vllm": Stub("vllm")}, [1, 16], 8,
+                                turns=2, idle_first=True)
+    firsts = [("ours", 1), ("vllm", 1), ("ours", 16), ("vllm", 16)]
+    assert order == firsts + firsts[::-1] + firsts         # untimed round, then two turns
+    assert [r["seconds"] for r in runs[16]["vllm"]] == pytest.approx([0.05, 0.12])
+    assert all(r["idle_wait"] == 0.25 for n in runs for side in runs[n].values() for r in side)
+    assert serving.different_texts(runs[1]["ours"], runs[1]["vllm"], "vllm")[0] == {
+        "prompt": "Jack", "ours": ["ours"], "vllm": ["vllm"]}
+    assert serving.different_texts(runs[1]["ours"], runs[1]["ours"], "vllm") == []
+
+
 @pytest.mark.parametrize("bad", [dict(repeats=0), dict(repeats=1, warmup=-1),
                                  dict(repeats=1, number=0)])
 def test_time_in_turns_refuses_bad_counts(bad):
@@ -85,6 +126,21 @@ def test_time_in_turns_refuses_bad_counts(bad):
 def test_time_in_turns_refuses_an_own_clock_with_several_calls():
     with pytest.raises(ValueError, match="number=1"):
         time_in_turns({"x": Candidate(lambda: 1.0, clock=float)}, repeats=1, number=3)
+
+
+def test_the_figures_of_a_run_of_streams():
+    """serving.figures: tokens/s over the run's wall time, TTFT percentiles over the requests,
+    and inter-token percentiles over every gap of every stream (TGI's streams only)."""
+    from benchmarks.serving import figures, jobs, levels_argument
+
+    streams = [{"tokens": 4, "ttft": 0.1, "gaps": [0.01, 0.03, 0.02]},
+               {"tokens": 4, "ttft": 0.3, "gaps": [0.02, 0.02, 0.05]}]
+    run = figures(streams, seconds=0.5)
+    assert run["tokens"] == 8 and run["tokens_per_second"] == pytest.approx(16)
+    assert run["ttft_p50"] == pytest.approx(0.2) and run["itl_p50"] == pytest.approx(0.02)
+    assert "itl_p50" not in figures([{"tokens": 2, "ttft": 0.1}], seconds=1.0)
+    assert [prompt for prompt, _ in jobs(6, 8)][5] == jobs(1, 8)[0][0]    # the prompts in turn
+    assert levels_argument("16, 1,4") == [1, 4, 16]
 
 
 def test_markdown_table():
@@ -178,7 +234,7 @@ def test_bench_server_quick_run(tmp_path):
 
 
 def test_transformers_serve_starts_on_the_device_it_is_given():
-    from benchmarks.server_compare import TransformersServe
+    from benchmarks.transformers_serve import TransformersServe
 
     for device in ("cuda", "cpu"):
         theirs = TransformersServe("/models/bundled", threads=1, clients=16, context=256,
@@ -227,11 +283,11 @@ def test_summary_rows_of_the_server_benchmark():
     assert rows[2][1] == "not run: RuntimeError: no command" and rows[2][3] is False
 
 
-def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
-    """profile_servers.py's classification: a stack goes to what its innermost telling frame
-    did, the model call wins over the course's code around it, and the HTTP process is the
-    API server's but for its pipe."""
-    from benchmarks import profile_servers as ps
+def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
+    """The vLLM profiler's classification (benchmarks/vllm/stacks.py): a stack goes to what
+    its innermost telling frame did, the model call wins over the course's code around it,
+    and the HTTP process is the API server's but for its pipe."""
+    from benchmarks.vllm import report, stacks as ps
 
     loop = ["_run (helpers/server/engine.py)", "_loop (helpers/server/engine.py)",
             "step (helpers/server/paged_engine.py)", "_generate (helpers/server/paged_engine.py)"]
@@ -267,9 +323,10 @@ def test_profile_servers_sorts_our_stacks_as_it_sorts_vllms():
     assert ps.our_category(sse, "http") == ps.OUR_ROUTES
     reader = ["_read (helpers/server/engine_process.py)", "recv (multiprocessing/connection.py)"]
     assert ps.our_category(reader, "http") == ps.IPC
-    assert ps.group("ours", "http", ps.OUR_ROUTES) == "API server"
-    assert ps.group("ours", "http", ps.IPC) == ps.group("vllm", "engine_core", ps.HANDING) == "IPC"
-    assert ps.group("ours", "engine", ps.OUR_DETOK) == ps.group("vllm", "api_server",
-                                                                 "detokenizing") == "outputs"
+    assert report.group("ours", "http", ps.OUR_ROUTES) == "API server"
+    assert report.group("ours", "http", ps.IPC) == report.group("vllm", "engine_core",
+                                                                ps.HANDING) == "IPC"
+    assert report.group("ours", "engine", ps.OUR_DETOK) == report.group(
+        "vllm", "api_server", "detokenizing") == "outputs"
     assert ps.vllm_category(["execute_model (vllm/v1/worker/gpu_model_runner.py)",
                              "forward (vllm/model_executor/models/gpt2.py)"]) == "model forward"

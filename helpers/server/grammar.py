@@ -20,7 +20,7 @@ No request can make a grammar cost more than the server allows:
 
 * size: the schema (its canonical JSON) or the pattern is at most ``max_grammar_bytes``
   bytes, the schema nested at most ``max_depth`` levels (``errors.TooLarge`` names the limit);
-* complexity: llguidance's own limits (``_limits()``: symbols in the grammar, "fuel" for
+* complexity: llguidance's own limits (``parser_limits()``: symbols in the grammar, "fuel" for
   building the lexer and for each token's mask, lexer states) stop the work wherever it is;
   a grammar past them at compile time is refused with ``errors.TooLarge``. A matcher that
   hits a per-token limit later fails: it then allows only EOS, and the answer ends there;
@@ -107,7 +107,7 @@ _OTHERS = b',: 0123456789' + bytes(b for b in range(33, 127) if b not in b'"]},:
 _LIMIT_WORDS = ("limit", "fuel", "too large", "too many", "too complex", "too big")
 
 
-def _limits():
+def parser_limits():
     """llguidance's resource limits for one grammar (its defaults, tightened where a request
     could use them to take memory: the lexer's states take 1-2 kB each)."""
     from llguidance import LLParserLimits
@@ -455,7 +455,7 @@ class Grammars:
                 raise InvalidRequest(f"invalid JSON schema: {err}") from None
         else:
             grammar = LLMatcher.grammar_from_regex(value)
-        state = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+        state = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         what = "JSON schema" if kind == "json" else "regular expression"
         if state.is_error():
             message = state.get_error().strip().splitlines()[0][:200]

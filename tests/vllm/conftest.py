@@ -8,7 +8,7 @@ build) and takes 60-100 s to start. Run it with
     .venv/bin/python -m pytest tests/vllm -q
 
 Any path at or below this folder on the command line enables it. vLLM is started once for
-the session (``benchmarks.vllm_serve.VllmServe``), the course's server once beside it.
+the session (``benchmarks.vllm.serve.VllmServe``), the course's server once beside it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytest_ignore_collect = ignore_unless_asked(HERE)   # tests/apart.py
 def vllm_url():
     """The URL of vLLM's OpenAI server on the bundled model (served as ``bundled``), warmed
     up; a missing vLLM environment fails the test with how to build it."""
-    from benchmarks.vllm_serve import VllmServe
+    from benchmarks.vllm.serve import VllmServe
 
     try:
         server = VllmServe()

@@ -1,15 +1,15 @@
 """Benchmark: the course server beside real vLLM, defaults against defaults.
 
-    python -m benchmarks.vllm_compare             # 5 turns, then vLLM --enable-lora once (~5 min)
-    python -m benchmarks.vllm_compare --quick     # 2 turns, no LoRA check (~2 min)
-    python -m benchmarks.vllm_compare --profile   # then profile_servers.py on the same servers
+    python -m benchmarks.vllm.compare             # 5 turns, then vLLM --enable-lora once (~5 min)
+    python -m benchmarks.vllm.compare --quick     # 2 turns, no LoRA check (~2 min)
+    python -m benchmarks.vllm.compare --profile   # then profile.py on the same servers
 
 ``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
-passes its Python in ``VLLM_PYTHON`` (``vllm_serve.py`` says why it is an environment of its
+passes its Python in ``VLLM_PYTHON`` (``serve.py`` says why it is an environment of its
 own). Not part of ``make bench``: vLLM alone takes 60-100 s to start.
 
 The servers, both started at the beginning and up for the whole run:
-- vLLM's OpenAI server (``vllm_serve.VllmServe``): its CPU build on the bundled model, float32,
+- vLLM's OpenAI server (``serve.VllmServe``): its CPU build on the bundled model, float32,
   with its defaults (on this CPU: one torch thread bound to one core, its API server and
   engine core on the other; chunked prefill and prefix caching on; up to 128 sequences and
   2048 tokens a step);
@@ -21,18 +21,18 @@ then one untimed round of every level.
 
 What is measured: for 1, 16 and 64 clients, that many streaming requests at once, each on its
 own connection (httpx), on OpenAI's ``POST /v1/completions`` of both servers: a course prompt
-each (the prompts of ``bench_server.py``, the same list for both), 64 new tokens with the
+each (``benchmarks.PROMPTS``, the same list for both), 64 new tokens with the
 end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``), greedy
 (temperature 0), the token count from the stream's usage at its end
-(``server_compare.openai_stream``). Per level and server: tokens/s = all tokens / wall time
+(``serving.openai_stream``). Per level and server: tokens/s = all tokens / wall time
 from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
 requests (from sending a request to its first event with text); the engine steps the server
 ran (its /metrics). Before each run, the benchmark waits until the machine's CPUs are idle
 (``timing.wait_until_idle``, at most 5 s): after its last answer vLLM keeps a core busy for
 about a second (its processes poll their shared-memory queue before they sleep; measured on
 this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
-The levels take turns, and within a level the servers do, ours first in
-even turns and vLLM first in odd ones; 5 turns (2 with ``--quick``). Each figure is the median
+Every level on both servers in each turn, the order reversed from one turn to the next
+(``serving.side_by_side``); 5 turns (2 with ``--quick``). Each figure is the median
 over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
 request's text on one server equals the text of the same prompt on the other, in every turn.
 
@@ -48,7 +48,6 @@ or a stream ended before its 64 tokens.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import pathlib
 import statistics
@@ -57,68 +56,19 @@ import time
 
 import httpx
 
-from benchmarks.bench_server import PROMPTS, levels_argument, metrics, percentile
-from benchmarks.results_io import (clients_axis, load_average, machine, markdown_table, numbers,
-                                   pyplot, save_figure, write_results)
-from benchmarks.server_compare import OURS_EXTRA, openai_at_once
-from benchmarks.timing import spread, wait_until_idle
-from benchmarks.vllm_serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
+from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
+from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
+from benchmarks.serving import (OURS_EXTRA, Server, at_once, different_texts, jobs,
+                                levels_argument, metrics, our_steps, side_by_side)
+from benchmarks.timing import spread
+from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEVELS = (1, 16, 64)
 SERVERS = ("ours", "vllm")
 WORDS = {"ours": "ours", "vllm": "vLLM"}
 #: What vLLM 0.32 says when asked for LoRA on GPT-2 (for runs that do not check it again).
 LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
-
-
-def our_steps(url: str) -> float:
-    """Steps our server has run (decode and prefill; its /metrics)."""
-    figures = metrics(url)
-    return figures.get("steps_decode", 0) + figures.get("steps_prefill", 0)
-
-
-class Server:
-    """One of the two servers as the benchmark sees it: where, what its requests need besides
-    the prompt and length, and how to read its step count."""
-
-    def __init__(self, url: str, extra: dict, steps):
-        self.url, self.extra, self.steps = url, extra, steps
-
-    def run(self, clients: int, new_tokens: int) -> dict:
-        """``clients`` streaming requests at once: the figures of one run."""
-        jobs = [(PROMPTS[i % len(PROMPTS)], new_tokens) for i in range(clients)]
-        before = self.steps(self.url)
-        results, seconds = asyncio.run(openai_at_once(self.url, jobs, self.extra))
-        steps = self.steps(self.url) - before
-        tokens = sum(r["tokens"] for r in results)
-        ttfts = [r["ttft"] for r in results]
-        texts: dict[str, set] = {}
-        for (prompt, _), r in zip(jobs, results):
-            texts.setdefault(prompt, set()).add(r["text"])
-        return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-                "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
-                "steps": steps, "short": sum(r["tokens"] != new_tokens for r in results),
-                "texts": {p: sorted(t) for p, t in texts.items()}}
-
-
-def in_turns(servers: dict[str, Server], levels, new_tokens: int, turns: int) -> dict:
-    """Every level on both servers in each turn, after one untimed round; the servers'
-    order alternates between turns. Returns ``{clients: {server: [run, ...]}}``."""
-    runs = {n: {name: [] for name in servers} for n in levels}
-    for turn in range(-1, turns):                        # -1: the untimed round
-        order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
-        for n in levels:
-            for name in order:
-                label = "warm-up" if turn < 0 else f"turn {turn + 1}/{turns}"
-                waited = wait_until_idle()          # vLLM polls for ~1 s after a run
-                print(f"{label}: {WORDS[name]}, {n} client(s) (after {waited:.1f} s idle "
-                      "wait) ...", flush=True)
-                figures = servers[name].run(n, new_tokens)
-                figures["idle_wait"] = waited
-                if turn >= 0:
-                    runs[n][name].append(figures)
-    return runs
 
 
 def level_row(clients: int, run: dict) -> dict:
@@ -134,10 +84,7 @@ def level_row(clients: int, run: dict) -> dict:
               for a, b in zip(run["ours"], run["vllm"])]
     row["ours_over_vllm"] = statistics.median(ratios)
     row["ours_over_vllm_per_turn"] = [round(r, 3) for r in ratios]
-    differences = [{"prompt": prompt, "ours": texts, "vllm": theirs["texts"].get(prompt)}
-                   for ours, theirs in zip(run["ours"], run["vllm"])
-                   for prompt, texts in ours["texts"].items()
-                   if len(texts) != 1 or texts != theirs["texts"].get(prompt)]
+    differences = different_texts(run["ours"], run["vllm"], "vllm")
     row["same_texts"] = not differences
     row["first_difference"] = differences[:1]
     row["texts"] = run["ours"][-1]["texts"]
@@ -172,17 +119,18 @@ def main(argv=None) -> int:
 
     ours = serve_in_background(name="bench-vllm", threads=1, wait=False)
     with ours as our_url, vllm as vllm_url:           # each waits for /health, then warms up
-        asyncio.run(openai_at_once(our_url, [(PROMPTS[3], 8)] * 2, OURS_EXTRA))
+        at_once(our_url, jobs(2, 8), OURS_EXTRA)                  # warm-up
         info = httpx.get(our_url + "/info", timeout=10).json()
         result = describe(args, versions, info)
         result["load_average"] = load_before
         servers = {"ours": Server(our_url, OURS_EXTRA, our_steps),
                    "vllm": Server(vllm_url, vllm.extra(), vllm_steps)}
-        runs = in_turns(servers, args.levels, args.new_tokens, args.turns)
+        # vLLM polls for ~1 s after a run: each run waits for idle CPUs first
+        runs = side_by_side(servers, args.levels, args.new_tokens, args.turns, idle_first=True)
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
         if args.profile:
-            from benchmarks import profile_servers as profiler
+            from benchmarks.vllm import profile as profiler
 
             targets = {"ours": profiler.our_target(our_url, ours.pid),
                        "vllm": profiler.vllm_target(vllm)}
@@ -217,7 +165,7 @@ def parse_args(argv=None):
                              "(default: on, off with --quick)")
     parser.add_argument("--profile", action="store_true",
                         help="then sample both servers' processes with py-spy at each level "
-                             "(profile_servers.py; writes profile_servers.md)")
+                             "(profile.py; writes profile_servers.md)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
@@ -261,7 +209,7 @@ def markdown(result: dict) -> str:
         f"{result['machine']}, {result['date']}; load average {numbers(result['load_average'])}"
         f" before, {numbers(result['load_average_after'])} after the timed turns. "
         f"{'A quick run (`--quick`). ' if result['quick'] else ''}"
-        f"Made by `make bench-vllm` (`python -m benchmarks.vllm_compare`); its docstring says "
+        f"Made by `make bench-vllm` (`python -m benchmarks.vllm.compare`); its docstring says "
         f"how.", "",
         f"- ours: `helpers.server` with its defaults ({settings}), 1 torch thread; torch "
         f"{ours['torch']}, transformers {ours['transformers']}.",
@@ -302,19 +250,15 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: pathlib.Path) -> None:
     """Two panels against clients, both servers: tokens/s, and TTFT p95 (median over the
     turns, bars from min to max)."""
-    plt = pyplot()
     levels = result["levels"]
     clients = [row["clients"] for row in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.4))
     colours = {"ours": "tab:blue", "vllm": "tab:orange"}
     for ax, key, scale in ((left, "tokens_per_second", 1.0), (right, "ttft_p95", 1e3)):
-        middle = {name: [row[name][key]["median"] * scale for row in levels]
+        middle = {name: spread_bars(ax, clients, [row[name][key] for row in levels], scale,
+                                    color=colours[name], label=WORDS[name])
                   for name in SERVERS}
         for name in SERVERS:
-            bars = [[m - row[name][key]["min"] * scale for m, row in zip(middle[name], levels)],
-                    [row[name][key]["max"] * scale - m for m, row in zip(middle[name], levels)]]
-            ax.errorbar(clients, middle[name], yerr=bars, marker="o", capsize=4,
-                        color=colours[name], label=WORDS[name])
             other = middle["vllm" if name == "ours" else "ours"]
             for x, y, y_other in zip(clients, middle[name], other):
                 # the higher of the two figures is written above its point, the other below

