@@ -6,14 +6,14 @@ engine itself, to hand it requests and read its counters without HTTP in between
 def make_engine(model, tokenizer, **options):
     """The server's default engine (lesson 08's paged KV cache) on ``model``, with the
     server's ``options`` (``max_batch_size``, ``compile``, ``cuda_graphs``, ...), started."""
-    from helpers.server.paged_engine import PagedEngine
+    from helpers.server.engine import Engine
 
-    return PagedEngine(model, tokenizer, **options).start()
+    return Engine(model, tokenizer, **options).start()
 
 
 def stand_in_capture():
     """What ``make_engine(..., capture=)`` takes to run its CUDA-graph code on a CPU: each
     replay runs the step again (the course's tests use the same stand-in)."""
-    from helpers.server.graphs import rerun_each_replay
+    from helpers.compilation import rerun_each_replay
 
     return rerun_each_replay

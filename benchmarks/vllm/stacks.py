@@ -79,12 +79,12 @@ def vllm_category(frames: list[str], part: str = "") -> str:
 
 IPC = "IPC: pickling and the pipe between the two processes"
 OUR_DECODE = "model forward: the compiled step (PackedStep._call: dynamo, inductor)"
-OUR_PREFILL = "model forward: eager (paged_next_token: a batch with an adapter row)"
+OUR_PREFILL = "model forward: eager (lesson 08's own pass: a batch with an adapter row)"
 OUR_EAGER = "model forward: eager (elsewhere)"
-OUR_INPUTS = "the step's inputs (PackedStep.step, PackedInputs.build, PagedForward.build)"
-OUR_SCHEDULER = "scheduler: admission, bookkeeping, block manager (PagedEngine.step)"
+OUR_INPUTS = "the step's inputs (PackedStep.__call__, PackedInputs.build, PagedForward.build)"
+OUR_SCHEDULER = "scheduler: admission, bookkeeping, block manager (Engine.step, kv.py)"
 OUR_SAMPLER = "sampler (TokenChooser, choosing.py, sampling.py)"
-OUR_OUTPUTS = "handing out tokens (_hand_out, Request.accept)"
+OUR_OUTPUTS = "handing out tokens (_hand_out, Sequence.accept)"
 OUR_DETOK = "detokenizing (detok.py)"
 OUR_LOOP = "engine loop (the scheduler thread's loop, the command loop)"
 OUR_INTAKE = "taking requests in (Engine.submit: tokenizing, checks)"
@@ -97,7 +97,7 @@ MODEL_CALLS = {"_wrapped_call_impl (torch/nn/modules/module.py)",
                "_call_impl (torch/nn/modules/module.py)",
                "compile_wrapper (torch/_dynamo/eval_frame.py)",
                "_fn (torch/_dynamo/eval_frame.py)",
-               "_run_model (helpers/server/compiled.py)"}
+               "_run_model (helpers/server/runner.py)"}
 #: The Python file inductor writes for a compiled graph: "call (c2ahwwx...spw.py)".
 INDUCTOR_CODE = re.compile(r"c[a-z0-9]{40,}\.py")
 #: torch's modules that run a compiled graph.
@@ -126,14 +126,16 @@ ENGINE_RULES = [
     ("choose", ENGINE, OUR_SAMPLER),
     *[(name, ENGINE, OUR_OUTPUTS) for name in ("_hand_out", "accept", "_add_text", "_finish",
                                                "fail", "deliver_to_sinks")],
+    ("deliver", "helpers/server/contract.py", OUR_OUTPUTS),
     *[(name, ENGINE, OUR_LOOP) for name in ("_loop", "_run")],
     *[(name, ENGINE, OUR_INTAKE) for name in ("submit", "__init__")],
     (None, ENGINE, OUR_SCHEDULER),
-    ("choose", "helpers/server/paged_engine.py", OUR_SAMPLER),
-    (None, "helpers/server/paged_engine.py", OUR_SCHEDULER),
-    ("_call", "helpers/server/compiled.py", OUR_DECODE),
-    ("usable", "helpers/server/compiled.py", OUR_SCHEDULER),
-    (None, "helpers/server/compiled.py", OUR_INPUTS),       # PackedStep.step: its tensors
+    (None, "helpers/server/kv.py", OUR_SCHEDULER),
+    (None, "helpers/server/scheduling.py", OUR_SCHEDULER),
+    ("_call", "helpers/server/runner.py", OUR_DECODE),
+    ("pick", "helpers/server/runner.py", OUR_SCHEDULER),
+    (None, "helpers/server/runner.py", OUR_INPUTS),         # PackedStep.__call__: its tensors
+    (None, "helpers/server/graphs.py", OUR_INPUTS),         # staging a graph's inputs
     *[(name, "helpers/paged/attention.py", OUR_INPUTS)
       for name in ("build", "pool_indices", "model_uses_paged_attention")],
     *[(name, "helpers/paged/batching.py", OUR_INPUTS)
@@ -183,11 +185,11 @@ def our_category(frames: list[str], part: str) -> str:
     if part == "engine":
         compiled = any(compiled_code(frame) for frame in frames)
         if compiled or any(frame in MODEL_CALLS for frame in frames):
-            if "paged_next_token (helpers/paged/batching.py)" in frames:
+            if "_forward (helpers/paged/batching.py)" in frames:   # lesson 08's own pass
                 return OUR_PREFILL
             # Compiled code runs in the packed step alone (a stack that py-spy caught in part
             # may lack the frames further out).
-            if compiled or "_call (helpers/server/compiled.py)" in frames:
+            if compiled or "_call (helpers/server/runner.py)" in frames:
                 return OUR_DECODE
             return OUR_EAGER
     rules = ENGINE_RULES if part == "engine" else HTTP_RULES
@@ -226,9 +228,9 @@ COLUMNS = {
                "eager one for batches with an adapter row)",
     "sampler": "choosing the tokens (vLLM's worker; ours: `TokenChooser`, `sampling.py`)",
     "inputs": "a step's input tensors and the runner's bookkeeping (vLLM's model runner; ours: "
-              "`PackedStep.step` around the model call, `PackedInputs.build`)",
-    "scheduler": "the scheduler and its KV blocks (vLLM's engine core; ours: `PagedEngine.step`,"
-                 " admission into the batch, booking tokens, the block manager)",
+              "`PackedStep.__call__` around the model call, `PackedInputs.build`)",
+    "scheduler": "the scheduler and its KV blocks (vLLM's engine core; ours: `Engine.step` and "
+                 "its KV layout, admission into the batch, booking tokens, the block manager)",
     "engine loop": "the loop around the steps (vLLM: the engine core's loop, its calls to the "
                    "worker; ours: the scheduler thread's loop, the command loop, taking requests "
                    "in: tokenizing and checking them)",
