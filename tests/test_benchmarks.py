@@ -300,7 +300,7 @@ def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
                       "_wrapped_call_impl (torch/nn/modules/module.py)",
                       "paged_attention (helpers/paged/attention.py)"]
     detok = decode[:-1] + ["_hand_out (helpers/server/engine.py)",
-                           "accept (helpers/server/engine.py)", "add (helpers/server/detok.py)",
+                           "accept (helpers/server/engine.py)", "add (helpers/server/tokens.py)",
                            "decode (transformers/tokenization_utils_base.py)"]
     pipe = detok[:-2] + ["deliver (helpers/server/engine_process.py)",
                          "send (multiprocessing/connection.py)"]
@@ -310,7 +310,7 @@ def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
                                        "sequence (helpers/paged/batching.py)"],
               ps.OUR_SCHEDULER: decode + ["grow (helpers/paged/blocks.py)"],
               ps.OUR_SAMPLER: decode + ["choose (helpers/server/engine.py)",
-                                        "__call__ (helpers/server/choosing.py)"],
+                                        "__call__ (helpers/server/sampling.py)"],
               ps.BLOCKED: loop[:2] + ["wait (threading.py)"]}
     for expected, frames in engine.items():
         assert ps.our_category(frames, "engine") == expected, frames

@@ -1,4 +1,4 @@
-"""Incremental detokenization (helpers/server/detok.py): the streamed pieces add up to the
+"""Incremental detokenization (helpers/server/tokens.py): the streamed pieces add up to the
 full decode, a character split over tokens comes out whole, and each token decodes a window of
 bounded size however long the answer."""
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import load_tokenizer
-from helpers.server.detok import IncrementalDecoder
+from helpers.server.tokens import IncrementalDecoder
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ run (as in ``compare.py``, defaults against defaults, one torch thread each):
 
 - ours (``helpers.server.serve_in_background(threads=1)``): the HTTP process (uvicorn, the
   routes, writing the SSE streams, the thread that reads the engine's pipe) and the engine
-  process (``engine_process.py``: the scheduler ``PagedEngine.step``, the compiled step
-  ``PackedStep``, lesson 08's eager ``paged_next_token`` for batches with an adapter row,
+  process (``engine_process.py``: the scheduler's turn ``Engine.step``, the compiled
+  step ``PackedStep``, lesson 08's eager ``paged_next_token`` for batches with an adapter row,
   choosing the tokens, handing them out and detokenizing them, the pipe's writer);
 - vLLM (``serve.py``): the API server (HTTP, tokenizing prompts, detokenizing outputs),
   the engine core (the scheduler) and a worker (the model runner).

@@ -83,9 +83,9 @@ OUR_PREFILL = "model forward: eager (lesson 08's own pass: a batch with an adapt
 OUR_EAGER = "model forward: eager (elsewhere)"
 OUR_INPUTS = "the step's inputs (PackedStep.__call__, PackedInputs.build, PagedForward.build)"
 OUR_SCHEDULER = "scheduler: admission, bookkeeping, block manager (Engine.step, kv.py)"
-OUR_SAMPLER = "sampler (TokenChooser, choosing.py, sampling.py)"
+OUR_SAMPLER = "sampler (TokenChooser, sampling.py)"
 OUR_OUTPUTS = "handing out tokens (_hand_out, Sequence.accept)"
-OUR_DETOK = "detokenizing (detok.py)"
+OUR_DETOK = "detokenizing (IncrementalDecoder, tokens.py)"
 OUR_LOOP = "engine loop (the scheduler thread's loop, the command loop)"
 OUR_INTAKE = "taking requests in (Engine.submit: tokenizing, checks)"
 OUR_HTTP = "API server: HTTP (uvicorn, h11, starlette, guards)"
@@ -120,8 +120,8 @@ ENGINE_RULES = [
     (None, "helpers/server/engine_process.py", OUR_LOOP),
     (None, "helpers/server/contract.py", None),
     (None, "helpers/server/sampling.py", OUR_SAMPLER),
-    (None, "helpers/server/choosing.py", OUR_SAMPLER),
-    (None, "helpers/server/detok.py", OUR_DETOK),
+    *[(name, "helpers/server/tokens.py", OUR_DETOK)         # IncrementalDecoder
+      for name in ("add", "flush", "_decode", "pending")],
     *[(name, ENGINE, None) for name in ("cancelled", "adjusts_logits")],
     ("choose", ENGINE, OUR_SAMPLER),
     *[(name, ENGINE, OUR_OUTPUTS) for name in ("_hand_out", "accept", "_add_text", "_finish",
@@ -237,7 +237,7 @@ COLUMNS = {
     "IPC": "serializing and sending between processes (vLLM: msgpack, ZMQ, the shared-memory "
            "queue; ours: pickling, the pipe between the HTTP and the engine process)",
     "outputs": "turning tokens into outputs and text (vLLM: output processing and detokenizing,"
-               " in its API server; ours: `_hand_out`, `Request.accept`, `detok.py`, in the "
+               " in its API server; ours: `_hand_out`, `Sequence.accept`, `IncrementalDecoder`, in the "
                "engine process)",
     "API server": "the HTTP side: HTTP, the OpenAI routes, streaming, the event loop (vLLM: its "
                   "API server, tokenizing too; ours: the HTTP process but its IPC, the pipe's "

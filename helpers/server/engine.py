@@ -14,7 +14,7 @@ It is read top to bottom in four parts:
    padded batch or lesson 08's paged cache, whose passes run through ``runner.py``: eager,
    compiled or CUDA graphs), choose each row's token and hand it out.
 4. Choosing each row's token by its own rules (greedy or seeded sampling, penalties, logit
-   bias, a grammar's mask: ``choosing.py``), and handing the events out: after every
+   bias, a grammar's mask: ``sampling.py``), and handing the events out: after every
    forward pass, one call to ``deliver`` with its events.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
@@ -43,10 +43,10 @@ from ..lora import ADAPTERS_DIR
 from . import sampling
 from .adapters import AdapterStore
 from .admission import Admission, Admitted
-from .choosing import TokenChooser, guarded
+from .sampling import TokenChooser, guarded
 from .contract import (ErrorEvent, Finish, GenerationParams, Handle, Sink, Submission,
                        TokenEvent, deliver)
-from .detok import IncrementalDecoder
+from .tokens import IncrementalDecoder
 from .errors import EngineError, Overloaded, Unavailable
 from .grammar import Grammars
 from .kv import make_kv
@@ -97,7 +97,7 @@ class Sequence:
         self.counts: Counter = Counter()   # how often each of them was generated
         self.count = 0                 # generated tokens, EOS included
         self.text = ""                 # text handed out so far
-        self.decoder = None            # its IncrementalDecoder (detok.py), from the first token
+        self.decoder = None            # its IncrementalDecoder (tokens.py), from the first token
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
         self.finished = False
@@ -153,7 +153,7 @@ class Sequence:
 
     def _add_text(self) -> tuple[str, int | None]:
         """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched). Only the last few tokens are decoded (``detok.py``): decoding the whole
+        matched). Only the last few tokens are decoded (``tokens.IncrementalDecoder``): decoding the whole
         answer at every token would cost more the longer it gets."""
         if self.decoder is None:
             self.decoder = IncrementalDecoder(self.tokenizer)
@@ -240,7 +240,7 @@ class Engine:
         self.eos_text = (tokenizer.convert_ids_to_tokens(self.eos_id)
                          if self.eos_id is not None else "")
         self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
-        #: Each row's next token by its own rules (``choosing.py``).
+        #: Each row's next token by its own rules (``sampling.py``).
         self.choose = TokenChooser(tokenizer, self.eos_id, self.pad_id)
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
