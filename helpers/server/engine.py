@@ -232,7 +232,7 @@ class Engine:
         self.max_total_tokens = max_total_tokens
         self.max_queue = max_queue
         self.default_max_new_tokens = default_max_new_tokens
-        self.policy = POLICIES[admission]
+        self.policy_name, self.policy = admission, POLICIES[admission]
         self.device = model.device
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -359,7 +359,7 @@ class Engine:
             "adapters_available": self.adapters.available(),
             "adapters_loaded": self.adapters.loaded,
             "json_mode": Grammars.available(),
-            "admission": next(k for k, v in POLICIES.items() if v is self.policy),
+            "admission": self.policy_name,
             **self.kv.info(),
             "engine": "thread",             # EngineProcess says "process"
             "engine_restarts": self.restarts,
