@@ -96,13 +96,11 @@ def _depth(value) -> int:
     return deepest
 
 
-# The keys under which a JSON schema holds other schemas: {key: "one" schema, "list" of
-# schemas, or "map" of name -> schema}.
-_SUBSCHEMAS = {"items": "one", "additionalProperties": "one", "not": "one", "if": "one",
-               "then": "one", "else": "one", "contains": "one", "propertyNames": "one",
-               "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
-               "properties": "map", "patternProperties": "map", "$defs": "map",
-               "definitions": "map"}
+# The keys under which a JSON schema holds other schemas: one, a list of them ("items" also in
+# its old tuple form), or a map of name -> schema.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_LIST = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def closed_objects(schema):
@@ -111,17 +109,15 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key, shape in _SUBSCHEMAS.items():
-        if key not in out:
-            continue
-        if shape == "one":
+    for key in _ONE:
+        if key in out:
             out[key] = closed_objects(out[key])
-        elif shape == "list" and isinstance(out[key], list):
+    for key in _LIST:
+        if isinstance(out.get(key), list):
             out[key] = [closed_objects(item) for item in out[key]]
-        elif shape == "map" and isinstance(out[key], dict):
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
             out[key] = {name: closed_objects(item) for name, item in out[key].items()}
-    if isinstance(out.get("items"), list):            # the old tuple form of items
-        out["items"] = [closed_objects(item) for item in out["items"]]
     if ("properties" in out and "additionalProperties" not in out
             and "patternProperties" not in out):
         out["additionalProperties"] = False

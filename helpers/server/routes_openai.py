@@ -104,15 +104,18 @@ async def answer(request: Request, parser, kind: str, stream, choice) -> JSONRes
 
 # --- completions ----------------------------------------------------------------------------
 
-def completion_logprobs(entries: list[tuple[int, str, float | None, dict | None]]) -> dict:
-    """OpenAI's completions ``logprobs`` from ``(offset, text, logprob, top)`` entries."""
+def completion_logprobs(tokens: list[tuple[int, dict]], offset: int = 0, prompt=()) -> dict:
+    """OpenAI's completions ``logprobs``: the ``prompt_entries`` given, then ``tokens``
+    (``(start, token)``, the starts counted from ``offset``)."""
+    entries = list(prompt) + [(offset + start, t["text"], t["logprob"], top_of(t))
+                              for start, t in tokens]
     return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
             "top_logprobs": [e[3] for e in entries], "text_offset": [e[0] for e in entries]}
 
 
 def prompt_entries(sequence: Completion) -> list[tuple]:
-    """The echoed prompt's tokens as logprobs entries; the first has no log probability and
-    no alternatives (nothing comes before it)."""
+    """The echoed prompt's tokens as ``(offset, text, logprob, top)`` entries; the first has
+    no log probability and no alternatives (nothing comes before it)."""
     entries, offset = [], 0
     for i, token in enumerate(sequence.prompt_tokens or []):
         entries.append((offset, token["text"], token["logprob"], top_of(token) if i else None))
@@ -125,10 +128,8 @@ def completion_choice(sequence: Completion, call: Call, index: int) -> dict:
     prefix = sequence.prompt if call.echo else ""
     logprobs = None
     if call.logprobs is not None:
-        entries = prompt_entries(sequence) if call.echo else []
-        entries += [(len(prefix) + start, t["text"], t["logprob"], top_of(t))
-                    for start, t in kept]
-        logprobs = completion_logprobs(entries)
+        prompt = prompt_entries(sequence) if call.echo else ()
+        logprobs = completion_logprobs(kept, len(prefix), prompt)
     return {"index": index, "text": prefix + text, "logprobs": logprobs,
             "finish_reason": finish_reason(sequence)}
 
@@ -216,12 +217,8 @@ async def released(run: Run, call: Call):
 
 async def completion_stream(run: Run, call: Call, meta: dict):
     """The chunks of a streamed completion (``openai_stream`` adds the end)."""
-    def chunk(index, text, tokens, offset=0, reason=None, prompt=None):
-        logprobs = None
-        if call.logprobs is not None:
-            entries = list(prompt or []) + [(offset + start, t["text"], t["logprob"], top_of(t))
-                                            for start, t in tokens]
-            logprobs = completion_logprobs(entries)
+    def chunk(index, text, tokens, offset=0, reason=None, prompt=()):
+        logprobs = None if call.logprobs is None else completion_logprobs(tokens, offset, prompt)
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
