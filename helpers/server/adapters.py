@@ -3,7 +3,7 @@
 Two sources, as in LoRAX: ``local``, the NAME of a folder in the server's adapters folder
 (``--adapters``; no paths, nothing that resolves outside it), and ``hub``, a Hugging Face Hub
 repository id fetched through peft's ``PeftConfig.from_pretrained`` (a clear 503 offline).
-Without ``adapter_source``, a local adapter's name is local and a name with a "/" is the hub's.
+Without ``adapter_source``, a name with a "/" is the hub's and any other is local.
 Adapters load on first use into one ``MultiLora`` (lesson 06), one adapter per row of the batch.
 
 Before any of it is loaded, an adapter is checked from its config and its safetensors header
@@ -140,9 +140,8 @@ class AdapterStore:
         """The MultiLora name of the request's adapter (None: the base model)."""
         if adapter_id is None or adapter_id in ("", NO_ADAPTER):
             return None
-        if source is None:
-            local = adapter_id in self.available() or "/" not in adapter_id
-            source = "local" if local else "hub"
+        if source is None:              # a local name never holds a "/"
+            source = "hub" if "/" in adapter_id else "local"
         if source == "local":
             return self._local(adapter_id)
         return self._hub(adapter_id, api_token)

@@ -20,6 +20,7 @@ the cell again replaces the server it started before (servers are named, "defaul
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import socket
@@ -128,20 +129,17 @@ class BackgroundServer:
             if _RUNNING.get(self.name) is self:
                 del _RUNNING[self.name]
         process = self.process
-        if process.poll() is None:
-            try:
-                if process.stdin is not None:
-                    process.stdin.close()
-            except OSError:
-                pass
+        running = process.poll() is None
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        if running:
             process.terminate()
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
-        elif process.stdin is not None and not process.stdin.closed:
-            process.stdin.close()
         shutil.rmtree(self.workdir, ignore_errors=True)     # its port file and log
 
     def __enter__(self) -> str:
