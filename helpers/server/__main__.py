@@ -1,13 +1,9 @@
 """Start the lesson-07 server from a terminal. (Lesson 07.)
 
-    python -m helpers.server --port 8080
-    python -m helpers.server --host 127.0.0.1 --port 8080 --model bundled \\
-        --adapters helpers/assets/adapters --max-batch-size 8 --max-input-tokens 128 \\
-        --max-total-tokens 256 --max-queue 64
+    python -m helpers.server --port 8080 --max-batch-size 8    # --help lists every option
 
 Then ``lorax.Client("http://127.0.0.1:8080").generate("Jack and Jill", max_new_tokens=20)``.
-The server listens on 127.0.0.1 unless told otherwise: it has no authentication, so think
-twice before ``--host 0.0.0.0``.
+It listens on 127.0.0.1 unless told otherwise: it has no authentication.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ log = logging.getLogger("helpers.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's flags: one per server option (``helpers.server.options``), plus two
-    that ``serve_in_background`` uses to talk to the process it starts."""
+    """The command's flags: one per server option, and two for ``serve_in_background``."""
     parser = argparse.ArgumentParser(
         prog="python -m helpers.server",
         description="A LoRAX-compatible server: continuous batching, one LoRA adapter per "
@@ -46,9 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``(host, port)``, before anything loads: a port in use (a server
-    started earlier and still running) is the commonest mistake, and it should not cost a
-    model load to find. ``ValueError`` naming the flag. Clients are refused until ``listen``."""
+    """A socket bound to ``(host, port)`` before anything loads, so that a port in use costs
+    no model load to find; ``ValueError`` naming the flag. Clients wait until ``listen``."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -71,9 +65,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, stopping as TGI and vLLM do. On SIGTERM or SIGINT it admits nothing new (503), lets the requests running
-    finish for ``drain`` seconds, ends the others with an error (``serving.Runs.end``), then
-    shuts down and stops the engine: exit status 0, without the signal raised again."""
+    """uvicorn's server, stopping as TGI and vLLM do: on SIGTERM or SIGINT it admits nothing new
+    (503), gives the requests running ``drain`` seconds, ends the others with an error, then
+    stops the engine and exits with status 0."""
 
     def __init__(self, config, runs, drain: float):
         super().__init__(config)

@@ -1,32 +1,17 @@
 """Which adapters a request may name, and loading them into the running model. (Lesson 07.)
 
-Two sources, as in LoRAX:
+Two sources, as in LoRAX: ``local``, the NAME of a folder in the server's adapters folder
+(``--adapters``; no paths, nothing that resolves outside it), and ``hub``, a Hugging Face Hub
+repository id fetched through peft's ``PeftConfig.from_pretrained`` (a clear 503 offline).
+Without ``adapter_source``, a name with a "/" is the hub's and any other is local.
+Adapters load on first use into one ``MultiLora`` (lesson 06), one adapter per row of the batch.
 
-* ``local``: a NAME of a folder inside the server's adapters folder (``--adapters``; by
-  default the adapters that ship with the course). Names only: no "/", no "..", nothing that
-  resolves outside that folder. The folder must hold ``adapter_config.json`` and
-  ``adapter_model.safetensors``: weights are read from safetensors only, never from a pickle.
-* ``hub``: a Hugging Face Hub repository id ("user/adapter"), fetched through the real
-  ``from_pretrained`` path (peft's ``PeftConfig.from_pretrained``, then the safetensors file).
-  Offline (no network, or ``HF_HUB_OFFLINE=1``) that fails, and the request gets a clear 503.
-
-With no ``adapter_source`` a name that is a local adapter is local; a name with a "/" is a hub
-repository. Adapters are loaded on first use (LoRAX does the same) into one ``MultiLora``
-(lesson 06), which gives every row of the batch its own adapter.
-
-Errors are the engine's own (``errors``): a name that is not allowed or an adapter that does
-not fit this model is ``InvalidRequest`` (the client chose badly), an unknown one ``NotFound``,
-a hub that cannot be reached ``Unavailable``, and a broken file in the server's own folder
-``GenerationFailed`` (the operator's problem: its details go to the server's log, never to the
-client). No message holds a path on the server's disk.
-
-An adapter's files are checked before any of it is loaded, from the safetensors header alone:
-LoRA's A and B matrices only, a rank of at most ``MAX_RANK`` (every adapter in a layer is
-padded to the largest rank loaded, so one huge rank would grow them all), a file no larger
-than twice the model (a LoRA adapter is a fraction of its model; the whole file is read into
-memory, between two steps of the engine, before its shapes can be compared with the model's
-layers). Hub adapters are capped at ``MAX_HUB_ADAPTERS``: each one stays in
-memory until the server stops.
+Before any of it is loaded, an adapter is checked from its config and its safetensors header
+alone (never a pickle): LoRA's A and B matrices only, a rank of at most ``MAX_RANK`` (each layer
+pads every adapter to the largest rank loaded), a file no larger than twice the model (it is
+read whole, between two steps). At most ``MAX_HUB_ADAPTERS`` hub adapters: they stay loaded.
+Errors are the engine's (``errors``) and hold no path on the server's disk; a broken file in
+the server's own folder is the operator's problem (``GenerationFailed``, details in the log).
 """
 
 from __future__ import annotations
@@ -62,8 +47,7 @@ _LORA_TENSOR = re.compile(r"\.lora_(A|B)\.weight$|\.lora_embedding_(A|B)$")
 
 
 class BrokenAdapter(Exception):
-    """An adapter's files cannot be read or are not a LoRA adapter; the message says why in
-    words that hold no path."""
+    """An adapter's files cannot be read or are not a LoRA adapter (the message holds no path)."""
 
 
 def local_adapters(folder: str | os.PathLike) -> list[str]:
@@ -77,10 +61,8 @@ def local_adapters(folder: str | os.PathLike) -> list[str]:
 
 
 def check_adapter_files(folder: Path, max_bytes: int = MIN_ADAPTER_LIMIT) -> None:
-    """Cheap checks of an adapter folder before loading it: ``BrokenAdapter`` if its config
-    is not a LoRA config or its weights file is larger than ``max_bytes`` or is not
-    safetensors holding LoRA matrices of a rank up to ``MAX_RANK``. Reads the config and the
-    weights' header only."""
+    """``BrokenAdapter`` unless ``folder`` holds a LoRA config and a safetensors file of at most
+    ``max_bytes`` holding LoRA matrices of a rank up to ``MAX_RANK`` (its header only is read)."""
     from safetensors import safe_open
 
     config_file, weights_file = folder / CONFIG, folder / WEIGHTS
@@ -130,10 +112,7 @@ def check_adapter_files(folder: Path, max_bytes: int = MIN_ADAPTER_LIMIT) -> Non
 
 class AdapterStore:
     """Resolves a request's adapter to a name loaded in ``lora``, loading it if needed.
-
-    lock: the lock the engine holds while it runs the model; adding an adapter changes the
-    model's layers, so it happens only between two steps.
-    """
+    ``lock``: the engine's lock around a step (an adapter is added between two steps)."""
 
     def __init__(self, model, folder: str | os.PathLike | None, lock: threading.RLock):
         self.folder = Path(folder).resolve() if folder is not None else None
@@ -161,18 +140,14 @@ class AdapterStore:
         """The MultiLora name of the request's adapter (None: the base model)."""
         if adapter_id is None or adapter_id in ("", NO_ADAPTER):
             return None
-        if source is None:
-            local = (self.folder is not None and LOCAL_NAME.fullmatch(adapter_id)
-                     and adapter_id in self.available())
-            source = "local" if local or "/" not in adapter_id else "hub"
+        if source is None:              # a local name never holds a "/"
+            source = "hub" if "/" in adapter_id else "local"
         if source == "local":
             return self._local(adapter_id)
         return self._hub(adapter_id, api_token)
 
-    # --- local ------------------------------------------------------------------------
-
     def _local(self, name: str) -> str:
-        if "/" in name or "\\" in name or ".." in name or not LOCAL_NAME.fullmatch(name):
+        if ".." in name or not LOCAL_NAME.fullmatch(name):
             raise InvalidRequest(f"adapter_id {name[:100]!r} is not an adapter name: local "
                                  f"adapters are named by their folder's name inside the "
                                  f"adapters folder (letters, digits, '_', '-', '.'; no paths, "
@@ -192,8 +167,6 @@ class AdapterStore:
             raise InvalidRequest(f"adapter {name!r} has no {WEIGHTS}{pickled}; only "
                                  f"safetensors weights are loaded")
         return self._load(name, folder, operator=True)
-
-    # --- hub --------------------------------------------------------------------------
 
     def _hub(self, repo_id: str, api_token: str | None) -> str:
         if ".." in repo_id or "--" in repo_id or not HUB_ID.fullmatch(repo_id):
@@ -258,9 +231,8 @@ def _hub_offline() -> bool:
 
 
 def _fetch_from_hub(repo_id: str, api_token: str | None) -> Path:
-    """Download a peft adapter from the hub through ``PeftConfig.from_pretrained`` and
-    ``hf_hub_download``; the folder holding its two files. An ``errors`` exception when it
-    cannot."""
+    """Download a peft adapter from the hub; the folder holding its two files, or an ``errors``
+    exception."""
     try:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError

@@ -1,27 +1,11 @@
 """The HTTP side: the application that puts the routes in front of the engine. (Lesson 07.)
 
-Routes
-    POST /                  LoRAX: a JSON array with one answer, or server-sent events when
-                            the body says ``"stream": true`` (lorax-client, huggingface_hub)
-    POST /generate          LoRAX: one answer (a JSON object)
-    POST /generate_stream   LoRAX: server-sent events, one per token, ``data:{json}``
-    POST /v1/completions    OpenAI completions (``stream`` too); the adapter goes in ``model``
-    POST /v1/chat/completions  OpenAI chat completions, with the model's chat template
-    GET  /v1/models         the base model and the adapters, OpenAI style (and /v1/models/{id})
-    GET  /health            200 while the scheduler runs
-    GET  /info              the model and the server's limits
-    GET  /metrics           counters and latency histograms in Prometheus' text format
-
-The LoRAX routes live in ``routes_lorax.py``, OpenAI's in ``routes_openai.py``; both go through
-one request path (``serving.py``: read, submit, collect or stream, cancel).
-
-Every error is ``{"error": ..., "error_type": ...}`` (under ``/v1/`` "error" is OpenAI's
-``{"message", "type", "param", "code"}`` object, so that the openai client shows it). The
-engine raises its own errors (``errors.py``), never HTTP statuses; ``ENGINE_ERRORS`` below
-maps them: 422 for a request that is wrong, 413 for one too large, 404 for something that does
-not exist (an adapter, a model), 429 when the queue is full, 503 when the engine is not
-running, 500 when generation fails. The routes' own checks answer 400 for a body that is not
-JSON, 415 for one that does not say it is, 422 for a wrong or unsupported parameter.
+LoRAX's routes (``POST /``, ``/generate``, ``/generate_stream``) are in ``routes_lorax.py``,
+OpenAI's (``/v1/...``) in ``routes_openai.py``; both take one request path (``serving.py``).
+Here: ``GET /health``, ``/info``, ``/metrics`` (Prometheus' text format) and the error handlers.
+Every error is ``{"error": ..., "error_type": ...}`` (under ``/v1/`` "error" is OpenAI's object,
+which the openai client shows). The engine raises its own errors (``errors.py``), never HTTP
+statuses: ``ENGINE_ERRORS`` answers them.
 """
 
 from __future__ import annotations
@@ -44,10 +28,9 @@ log = logging.getLogger("helpers.server")
 
 SERVER_NAME = "helpers.server (Efficiently Serving LLMs, lesson 07)"
 
-#: How each kind of engine error is answered: (status, error_type). The first class that
-#: matches wins, so a subclass comes before its parent (TooLarge before InvalidRequest).
-#: "not_found" (not "validation") for 404: lorax-client raises NotFoundError for it, and
-#: ValidationError for "validation" whatever the status.
+#: How each kind of engine error is answered: the first class that matches wins (a subclass
+#: before its parent). lorax-client raises NotFoundError for "not_found", and ValidationError
+#: for "validation" whatever the status.
 ENGINE_ERRORS = [
     (errors.TooLarge, 413, "validation"),
     (errors.InvalidRequest, 422, "validation"),
@@ -68,8 +51,7 @@ def status_of(err: errors.EngineError) -> tuple[int, str]:
 
 def error_response(message: str, error_type: str, status: int, request: Request | None = None,
                    headers=None) -> JSONResponse:
-    """LoRAX's error body. Under /v1/ (OpenAI's routes) "error" is OpenAI's object instead of
-    a string, so that the openai client shows the message; "error_type" is there too."""
+    """LoRAX's error body; under /v1/ "error" is OpenAI's object ("error_type" is there too)."""
     if request is not None and request.url.path.startswith("/v1/"):
         body = {"error": {"message": message, "type": error_type, "param": None,
                           "code": status}, "error_type": error_type}
@@ -79,11 +61,8 @@ def error_response(message: str, error_type: str, status: int, request: Request 
 
 
 def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
-    """The FastAPI application serving ``engine``. (Lesson 07.)
-
-    With ``manage_engine`` the app starts the engine's scheduler when the server starts and
-    stops it when the server stops.
-    """
+    """The FastAPI application serving ``engine``; with ``manage_engine`` it starts and stops
+    the engine's scheduler with the server. (Lesson 07.)"""
 
     @asynccontextmanager
     async def lifespan(app):

@@ -11,17 +11,16 @@
     with serve_in_background() as url:                 # or for one block of code
         lorax.Client(url).generate("Jack and Jill")
 
-The server runs in its own process (``python -m helpers.server``), so that its scheduler does
-not compete with the notebook for Python's interpreter lock, and timings seen from the notebook
-are what a real client would see. It never outlives the notebook: its standard input is a pipe
-from the notebook's kernel, and when the kernel ends (restart, crash, kill) the pipe closes and
-the server exits. Running the cell again stops the server that the cell started before
-(servers are named; the default name is "default"). Nothing needs to be freed by hand.
+The server is a process of its own (``python -m helpers.server``): its scheduler does not compete
+with the notebook for the interpreter lock, and the notebook times what a real client would.
+Its standard input is a pipe from the notebook's kernel, so it ends with the kernel; running
+the cell again replaces the server it started before (servers are named, "default" by default).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import socket
@@ -46,14 +45,8 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class BackgroundServer:
-    """A server process started by ``serve_in_background``. (Lesson 07.)
-
-    url:    ``http://host:port`` (what lorax.Client, the openai client or httpx take)
-    stop(): ends it (gracefully, then by force); safe to call twice
-    ``with server as url:`` stops it at the end of the block.
-    wait(): blocks until it answers /health (``serve_in_background`` does this unless told
-            ``wait=False``, e.g. to start several servers at once).
-    """
+    """A server process started by ``serve_in_background``: ``url`` (``http://host:port``),
+    ``wait()`` until it answers, ``stop()`` (safe twice), ``with server as url:``."""
 
     def __init__(self, name: str, process: subprocess.Popen, host: str, workdir: Path):
         self.name = name
@@ -73,12 +66,10 @@ class BackgroundServer:
         return self.port is not None
 
     def wait(self, timeout: float = 120.0) -> "BackgroundServer":
-        """Wait until the server answers ``GET /health``. The server logs each stage of its
-        start-up as it begins (loading the model, compiling each graph of its step, capturing
-        each CUDA graph: ``stage()``), and the clock restarts at each: ``timeout`` is the most
-        seconds one stage may take, so a slow machine that is getting on is waited for.
-        ``RuntimeError`` (naming the stage, with the server's last lines) if the server exits,
-        or stays at one stage longer than that."""
+        """Wait until the server answers ``GET /health``. ``timeout`` is the most seconds one
+        stage of its start-up (``stage()``) may take, so a slow machine that is getting on is
+        waited for. ``RuntimeError`` (the stage and the server's last lines) if the server
+        exits or stays at one stage longer."""
         stage, since = self.stage(), time.monotonic()
         try:
             while self.process.poll() is None:
@@ -100,13 +91,8 @@ class BackgroundServer:
             raise
 
     def stage(self) -> str:
-        """What the server's start-up is doing now: its last "start-up:" line (the process
-        itself starting, before it has logged any)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            text = ""
-        lines = [line.split(STAGE, 1)[1] for line in text.splitlines() if STAGE in line]
+        """What the server's start-up is doing now: its last "start-up:" line."""
+        lines = [line.split(STAGE, 1)[1] for line in self._log_lines() if STAGE in line]
         return lines[-1].strip() if lines else "starting the process"
 
     @property
@@ -129,11 +115,13 @@ class BackgroundServer:
 
     def logs(self, lines: int = 40) -> str:
         """The last ``lines`` lines the server printed (until it is stopped)."""
+        return "\n".join(self._log_lines()[-lines:])
+
+    def _log_lines(self) -> list[str]:
         try:
-            text = self.log_path.read_text(errors="replace")
+            return self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+            return []
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server: close its stdin and ask it to end, then kill it if it lingers."""
@@ -141,20 +129,17 @@ class BackgroundServer:
             if _RUNNING.get(self.name) is self:
                 del _RUNNING[self.name]
         process = self.process
-        if process.poll() is None:
-            try:
-                if process.stdin is not None:
-                    process.stdin.close()
-            except OSError:
-                pass
+        running = process.poll() is None
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        if running:
             process.terminate()
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
-        elif process.stdin is not None and not process.stdin.closed:
-            process.stdin.close()
         shutil.rmtree(self.workdir, ignore_errors=True)     # its port file and log
 
     def __enter__(self) -> str:
@@ -179,19 +164,13 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
     (Lesson 07.)
 
-    model, adapters and ``options``: the server's options (below, and
-    ``python -m helpers.server --help``), e.g. ``serve_in_background(max_batch_size=16,
-    threads=1)``; an option left out keeps its default. One difference: ``port`` None (the
-    default here) picks a free port (the server binds port 0 and reports the one it got).
-    env:     extra environment variables for the server (e.g. ``{"HF_HUB_OFFLINE": "1"}``).
-    name:    a server started under a name replaces the one started before under that name
-             (so re-running a notebook cell does not leave the old server behind).
-    wait:    False returns at once; call ``.wait()`` before using ``.url``.
-    timeout: the most seconds one stage of the start-up may take (``BackgroundServer.wait``:
-             the server logs each stage, and the wait follows them).
-    Raises ``ValueError`` for a name that is not an option (before starting anything), and
-    ``RuntimeError`` with the stage it stuck in and the server's last lines if it does not
-    come up (and stops it).
+    model, adapters and ``options``: the server's options (below), e.g.
+    ``serve_in_background(max_batch_size=16, threads=1)``; ``port`` None (the default here)
+    picks a free port. env: extra environment variables for the server. name: a server started
+    under a name replaces the one started before under it. wait: False returns at once (call
+    ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
+    ``ValueError`` for a name that is not an option (before starting anything); ``RuntimeError``
+    if the server does not come up (and it is stopped).
 
     The options:
     """
@@ -233,8 +212,7 @@ serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + desc
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """True when nothing listens on (host, port): binding it succeeds. (Lesson 07; `make
-    check` uses it to see that a stopped server gave its port back.)"""
+    """True when nothing listens on (host, port): binding it succeeds. (Lesson 07.)"""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # as a server binds: a closed connection's TIME_WAIT does not count, a listener does

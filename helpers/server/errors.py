@@ -1,10 +1,5 @@
-"""The engine's own errors: what went wrong, in the engine's terms, with no HTTP in them.
-(Lesson 07.)
-
-The engine (and the adapter store, and the grammar compiler) raise these; the HTTP side maps
-each kind to a status code and a body in the protocol the client spoke (LoRAX's
-``{"error", "error_type"}`` or OpenAI's ``{"error": {...}}``). Keeping HTTP out of the engine
-means the same engine could sit behind another front end (gRPC, a notebook, a batch job).
+"""The engine's own errors, in the engine's terms: the HTTP side maps each kind to a status and
+a body in the client's protocol, so the same engine could sit behind another front end. (Lesson 07.)
 """
 
 from __future__ import annotations

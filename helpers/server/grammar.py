@@ -1,74 +1,32 @@
 """Constrained decoding: a JSON schema or a regular expression becomes a mask on the logits.
 (Lesson 07.)
 
-``Grammars(tokenizer)`` compiles grammars for one tokenizer. ``compile(kind, value)`` (kind
-"json" with a schema, or "regex" with a pattern) returns a ``Compiled`` grammar, shared by all
-the requests that ask for the same one; ``Compiled.matcher()`` starts a ``Matcher`` for one
-request. At every step the engine calls ``Matcher.apply(logits_row, budget)``, which sets the
-logits of the tokens the grammar forbids to -inf, then ``Matcher.advance(token)`` with the
-token it chose. EOS is allowed only where the text is complete (``Matcher.accepting``).
+``Grammars(tokenizer).compile(kind, value)`` ("json" with a schema, "regex" with a pattern)
+returns a ``Compiled`` grammar shared by every request that asks for the same one;
+``Compiled.matcher()`` follows one request: ``apply(logits_row, budget)`` sets the forbidden
+tokens' logits to -inf, ``advance(token)`` takes the token chosen. EOS is allowed only where
+the text is complete. The engine is llguidance (vLLM's and SGLang's): it parses the text as it
+is written instead of building one automaton up front, so compiling costs about as much as
+reading the schema (benchmarks/results/bench_grammar.md).
 
-The grammar engine is llguidance (the structured-output backend of vLLM and SGLang). It does
-not turn the schema into one automaton up front, as outlines-core does (there a string of at
-most 20 characters took ~90 s and ~4 GB to compile on the course's tokenizer, and every extra
-character doubled it): it parses the text as it is written (an Earley parser over a lexer
-whose states are built when first reached), so compiling costs about as much as reading the
-schema, and each token costs one bounded mask computation
-(benchmarks/results/bench_grammar.md has the figures).
+No request makes a grammar cost more than the server allows: its text is at most
+``max_grammar_bytes`` and ``max_depth`` levels (``errors.TooLarge``); llguidance's own limits
+(``parser_limits()``) bound the work of compiling and of each token's mask; compilation waits at most
+``compile_timeout`` seconds (a late one finishes in the background and is cached); at most
+``max_compiling`` distinct grammars compile at once (``errors.Overloaded``); compiled grammars
+live in a cache of at most ``cache_bytes``, least recently used out first. A schema no text
+satisfies, or one using a keyword llguidance lacks, is an ``errors.InvalidRequest``.
 
-No request can make a grammar cost more than the server allows:
+JSON objects that list their ``properties`` are closed (``additionalProperties: false``), or a
+small model writes extra keys until its budget ends; the layout is ``json.dumps``'s.
 
-* size: the schema (its canonical JSON) or the pattern is at most ``max_grammar_bytes``
-  bytes, the schema nested at most ``max_depth`` levels (``errors.TooLarge`` names the limit);
-* complexity: llguidance's own limits (``parser_limits()``: symbols in the grammar, "fuel" for
-  building the lexer and for each token's mask, lexer states) stop the work wherever it is;
-  a grammar past them at compile time is refused with ``errors.TooLarge``. A matcher that
-  hits a per-token limit later fails: it then allows only EOS, and the answer ends there;
-* wall time: compilation runs in its own thread and the request waits at most
-  ``compile_timeout`` seconds (``errors.TooLarge`` after that). llguidance cannot be
-  interrupted, so a compilation that runs late goes on to its end in the background, which
-  the limits above keep short, and its result is cached for the next request;
-* concurrency: one compilation per distinct grammar at a time (identical requests wait for
-  the same result; the key is the schema's canonical JSON), and at most ``max_compiling``
-  distinct ones at once (``errors.Overloaded`` beyond);
-* memory: compiled grammars are kept in a cache bounded in bytes (``cache_bytes``; each
-  grammar's size is estimated from its text, see ``Compiled``), least recently used first
-  out. The lexer states a grammar builds while requests use it are bounded by the limits
-  (at most 20 000 states, ~40 MB, per grammar).
-
-Schemas that no text satisfies (``{"enum": []}``, minLength above maxLength, ``allOf`` of a
-string and an integer...) are refused with ``errors.InvalidRequest``: llguidance tells most
-of them at compile time, and a grammar whose first step allows no token is refused too.
-Keywords llguidance does not implement (``not``, ``uniqueItems``) are refused the same way.
-
-Two choices of ours for JSON:
-
-* objects are closed: an object that lists its ``properties`` and does not mention
-  ``additionalProperties`` gets ``additionalProperties: false``. JSON Schema would allow any
-  extra key, and pydantic's schemas do not close their objects; a small model then writes
-  extra keys until its budget ends (measured). Closing them is what outlines does, and what
-  vLLM offers with llguidance. ``{"type": "object"}`` (any object) stays open.
-* the layout is ``json.dumps``'s: ", " between items and ": " after keys, no other
-  whitespace (what the course's ``entities`` adapter was trained to write).
-
-The budget. llguidance cannot tell how many tokens the shortest completion takes, so a
-``Matcher`` finds a short completion itself when it needs one. This *closer* starts from the
-current state and writes the closing quote, bracket or brace whenever the grammar allows
-one, otherwise the least used single character the grammar allows (or the token the grammar
-forces, e.g. inside a key), until the text is complete. When the budget comes within
-``MARGIN`` tokens of the closer's count, only tokens that still finish in time are allowed:
-the closer's next token, and those of the few most likely tokens from which the closer
-finishes within the budget. So an answer in JSON mode closes within ``max_new_tokens``
-whenever the closer finds an ending in time, which it does for JSON schemas without
-patterns. Where it does not (a regular expression it cannot finish, or a single token that
-lengthens the ending by more than ``MARGIN``), generation stops at ``max_new_tokens`` with
-finish_reason "length" and incomplete text, as in vLLM.
-
-``Compiled.min_tokens`` is the length of the closer's answer from the start (an upper bound
-of the shortest answer; the engine refuses a smaller ``max_new_tokens``), None when the
-closer finds none within ``CLOSER_STEPS`` tokens or ``CLOSER_COMPILE_SECONDS``: that grammar
-is then budget-free. At a step the closer stops after ``CLOSER_SECONDS``; a matcher whose
-closer fails stops looking (budget-free from there), so the closer's cost stays bounded.
+The budget: a matcher's *closer* finds a short completion from where the text is (the closing
+quote, bracket or brace when allowed, else the least used character allowed). Within
+``MARGIN`` tokens of the budget, only tokens from which the closer still finishes in time are
+allowed, so JSON mode closes within ``max_new_tokens`` whenever the closer finds an ending.
+``Compiled.min_tokens`` is the closer's length from the start (the engine refuses a smaller
+``max_new_tokens``); None, when it finds none within ``CLOSER_STEPS`` tokens or its time, makes
+the grammar budget-free, as does a closer that fails later.
 """
 
 from __future__ import annotations
@@ -91,25 +49,23 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 MARGIN = 4
 #: The most likely tokens checked one by one near the end of the budget.
 CANDIDATES = 3
-#: The closer gives up after this many tokens (then ``min_tokens`` is None): each one costs a
-#: mask computation, and the closer runs at every step near the end of the budget.
+#: The closer gives up after this many tokens (each costs a mask computation), or after this
+#: much CPU time per step and at compile time.
 CLOSER_STEPS = 256
-#: ... or after this much CPU time, per token (a grammar whose masks are slow must not make
-#: the closer slow) and at compile time (the closer's answer from the start, ``min_tokens``).
 CLOSER_SECONDS = 0.01
 CLOSER_COMPILE_SECONDS = 0.25
-#: The closer's first choices: what ends a string, an array, an object.
+#: The closer's first choices (what ends a string, an array, an object), then, least used first,
+#: what continues JSON most briefly.
 _CLOSING = b'"]}'
-# then, least used first (ties in this order): what continues JSON most briefly.
 _OTHERS = b',: 0123456789' + bytes(b for b in range(33, 127) if b not in b'"]},:0123456789')
-
+_WHAT = {"json": "JSON schema", "regex": "regular expression"}
 # Words in llguidance's messages that say a limit was hit (not that the grammar is wrong).
 _LIMIT_WORDS = ("limit", "fuel", "too large", "too many", "too complex", "too big")
 
 
 def parser_limits():
-    """llguidance's resource limits for one grammar (its defaults, tightened where a request
-    could use them to take memory: the lexer's states take 1-2 kB each)."""
+    """llguidance's limits for one grammar: its defaults, tightened where a request could use
+    them to take memory (a lexer state takes 1-2 kB)."""
     from llguidance import LLParserLimits
 
     return LLParserLimits(
@@ -120,6 +76,11 @@ def parser_limits():
         max_lexer_states=20_000,          # at most ~40 MB of lexer per grammar (default 250 000)
         verbose_errors=False,             # messages go to clients: no grammar internals
     )
+
+
+def _mask(bias) -> torch.Tensor:
+    """llguidance's logit bias (one byte a token, 0 = forbidden) as a bool tensor."""
+    return torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
 
 
 def _depth(value) -> int:
@@ -135,33 +96,28 @@ def _depth(value) -> int:
     return deepest
 
 
-# The keys under which a JSON schema holds other schemas: {key: "one" schema, "list" of
-# schemas, or "map" of name -> schema}.
-_SUBSCHEMAS = {"items": "one", "additionalProperties": "one", "not": "one", "if": "one",
-               "then": "one", "else": "one", "contains": "one", "propertyNames": "one",
-               "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
-               "properties": "map", "patternProperties": "map", "$defs": "map",
-               "definitions": "map"}
+# The keys under which a JSON schema holds other schemas: one, a list of them ("items" also in
+# its old tuple form), or a map of name -> schema.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_LIST = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def closed_objects(schema):
-    """A copy of ``schema`` where every object schema that lists its ``properties`` and says
-    nothing about others has ``additionalProperties: false`` (see the module's notes). An
-    object without ``properties`` (``{"type": "object"}``: any object) stays open."""
+    """A copy of ``schema`` whose object schemas that list ``properties`` and say nothing of
+    others get ``additionalProperties: false``; ``{"type": "object"}`` stays open."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key, shape in _SUBSCHEMAS.items():
-        if key not in out:
-            continue
-        if shape == "one":
+    for key in _ONE:
+        if key in out:
             out[key] = closed_objects(out[key])
-        elif shape == "list" and isinstance(out[key], list):
+    for key in _LIST:
+        if isinstance(out.get(key), list):
             out[key] = [closed_objects(item) for item in out[key]]
-        elif shape == "map" and isinstance(out[key], dict):
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
             out[key] = {name: closed_objects(item) for name, item in out[key].items()}
-    if isinstance(out.get("items"), list):            # the old tuple form of items
-        out["items"] = [closed_objects(item) for item in out["items"]]
     if ("properties" in out and "additionalProperties" not in out
             and "patternProperties" not in out):
         out["additionalProperties"] = False
@@ -175,19 +131,13 @@ class Matcher:
     def __init__(self, compiled: "Compiled", state):
         self.compiled = compiled
         self._state = state                 # an llguidance LLMatcher
-        self._closing = compiled.min_tokens is not None   # False: budget-free (see notes)
+        self._closing = compiled.min_tokens is not None   # False: budget-free
         self._look_at: int | None = None    # the budget at which the closer looks again
 
-    def allowed(self) -> torch.Tensor:
-        """A bool tensor over the tokenizer's vocabulary: the tokens the grammar allows next
-        (only EOS once the matcher has failed: the answer then ends)."""
-        bias = self._state.compute_logit_bias()        # one byte a token: 0 = forbidden
-        return torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
-
     def apply(self, logits_row: torch.Tensor, budget: int | None = None) -> None:
-        """Set the logits of the forbidden tokens to -inf, in place. ``budget``: the tokens
-        left after this one (None: no limit); see the module's notes on the budget."""
-        allowed = self.allowed()
+        """Set the logits of the forbidden tokens to -inf, in place (only EOS is allowed once
+        the matcher has failed). ``budget``: the tokens left after this one (None: no limit)."""
+        allowed = _mask(self._state.compute_logit_bias())
         if budget is not None and self._closing and (self._look_at is None
                                                      or budget <= self._look_at):
             allowed = self._in_time(allowed, logits_row, budget)
@@ -238,17 +188,11 @@ class Matcher:
         """Whether the text so far is complete (EOS allowed now)."""
         return self._state.is_accepting()
 
-    @property
-    def failed(self) -> bool:
-        """Whether the matcher has failed (a token it forbade, or a per-token limit hit)."""
-        return self._state.is_error()
-
 
 class Compiled:
-    """A compiled grammar: ``kind``, ``key`` (the canonical text it was compiled from),
-    ``min_tokens`` (see the module's notes), ``nbytes`` (the cache's estimate of its memory:
-    a fixed part plus a multiple of its text; measured on the bundled tokenizer, llguidance's
-    grammars took 6-470 kB for schemas of 0.1-9 kB), and ``matcher()`` for each request."""
+    """A compiled grammar: ``kind``, ``key`` (its canonical text), ``min_tokens``, ``nbytes``
+    (the cache's estimate of its memory: llguidance's grammars took 6-470 kB for schemas of
+    0.1-9 kB on the bundled tokenizer), and ``matcher()`` for each request."""
 
     BASE_BYTES = 64 << 10
     BYTES_PER_CHARACTER = 40
@@ -269,10 +213,9 @@ class Compiled:
             return Matcher(self, self._start.deep_copy())
 
     def closer(self, state, deadline: float) -> list[int] | None:
-        """Tokens that complete the text from ``state`` (an LLMatcher, left as it is), found
-        as the module's notes say; [] if it is complete, None if none within CLOSER_STEPS
-        tokens or before ``deadline`` (a ``time.thread_time()`` reading: the CPU time this thread
-        spends, which a busy machine does not stretch)."""
+        """Tokens that complete the text from ``state`` (an LLMatcher, left as it is): [] if it
+        is complete, None if none within CLOSER_STEPS tokens or before ``deadline`` (a
+        ``time.thread_time()`` reading, which a busy machine does not stretch)."""
         state = state.deep_copy()
         closing, others = self._grammars.closer_tokens
         used: dict[int, int] = {}
@@ -280,14 +223,13 @@ class Compiled:
         for _ in range(CLOSER_STEPS):
             if state.is_accepting() or state.is_error() or time.thread_time() > deadline:
                 break
-            allowed = state.compute_logit_bias()          # bytes: one a token, 0 = forbidden
+            allowed = state.compute_logit_bias()
             token = next((t for t in closing if allowed[t]), None)
             if token is None:
                 # a single character, least used first; else (where the grammar forces its
                 # own tokens, e.g. inside a key) any allowed token, least used first
                 options = [t for t in others if allowed[t]] or [
-                    t for t in torch.frombuffer(bytearray(allowed), dtype=torch.uint8)
-                    .nonzero().flatten().tolist() if t != self.eos_id]
+                    t for t in _mask(allowed).nonzero().flatten().tolist() if t != self.eos_id]
                 token = min(options, key=lambda t: used.get(t, 0), default=None)
             if token is None:
                 return None
@@ -300,8 +242,8 @@ class Compiled:
 
 
 class Grammars:
-    """Compiles grammars for one tokenizer, within the limits the module's notes list, and
-    keeps the compiled ones. ``compilations`` counts the compilations started."""
+    """Compiles grammars for one tokenizer within the server's limits and keeps the compiled
+    ones. ``compilations`` counts the compilations started."""
 
     def __init__(self, tokenizer, *, max_grammar_bytes: int = 32 << 10, max_depth: int = 64,
                  compile_timeout: float = 5.0, cache_bytes: int = 64 << 20,
@@ -339,8 +281,6 @@ class Grammars:
     def __len__(self) -> int:
         return len(self._cache)
 
-    # --- checks before any work -------------------------------------------------------------
-
     def key(self, kind: str, value) -> str:
         """The canonical text of a grammar (the cache's key), after the size checks."""
         if kind not in KINDS:
@@ -362,12 +302,9 @@ class Grammars:
             text = value
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_grammar_bytes:
-            what = "JSON schema" if kind == "json" else "regular expression"
-            raise TooLarge(f"the {what} takes {size} bytes; the server accepts at most "
+            raise TooLarge(f"the {_WHAT[kind]} takes {size} bytes; the server accepts at most "
                            f"{self.max_grammar_bytes} (max_grammar_bytes)")
         return f"{kind}:{text}"
-
-    # --- compiling, once per distinct grammar -----------------------------------------------
 
     def compile(self, kind: str, value) -> Compiled:
         """The compiled grammar, from the cache or compiled now (waiting at most
@@ -456,7 +393,7 @@ class Grammars:
         else:
             grammar = LLMatcher.grammar_from_regex(value)
         state = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
-        what = "JSON schema" if kind == "json" else "regular expression"
+        what = _WHAT[kind]
         if state.is_error():
             message = state.get_error().strip().splitlines()[0][:200]
             if any(word in message.lower() for word in _LIMIT_WORDS):
@@ -465,7 +402,7 @@ class Grammars:
             if message.startswith("Unsatisfiable"):
                 raise InvalidRequest(f"no text satisfies this {what}: {message}")
             raise InvalidRequest(f"this {what} cannot be used: {message}")
-        allowed = torch.frombuffer(bytearray(state.compute_logit_bias()), dtype=torch.uint8) != 0
+        allowed = _mask(state.compute_logit_bias())
         allowed[self.eos_id] = False
         if state.is_error() or (not allowed.any() and not state.is_accepting()):
             raise InvalidRequest(f"no text satisfies this {what}")

@@ -1,27 +1,12 @@
-"""The server's door: what a request must look like before any real work is spent on it.
-(Lesson 07.)
+"""The server's door: what a request must look like before any work is spent on it. (Lesson 07.)
 
-Everything here is cheap and runs before the engine sees a request:
-
-* ``read_body``: the body, with its size limit enforced WHILE it arrives. A chunked body has
-  no Content-Length, so a server that reads it whole and then measures it has already paid for
-  it (a 1 GB body would take more than 1 GB of memory). Here reading stops one chunk past the
-  limit, and the answer (413) closes the connection so the rest is never read.
-* ``require_json``: POST bodies must say ``Content-Type: application/json``. A web page can
-  make a browser POST ``text/plain`` to any address without asking first (no CORS preflight);
-  refusing every other type means such a page cannot drive a server on the visitor's machine.
-* ``parse_json``: strict JSON. Python's ``json`` module accepts NaN and Infinity, lone UTF-16
-  surrogates ("\\ud800", which no UTF-8 encoder can write back), and nests as deep as its C
-  stack allows; each of those used to turn into a 500 further in. Here they are a 400 that
-  says what is wrong.
-* ``cancel_on_disconnect``: a request whose client hangs up stops generating at once.
-* ``internal_error``: a 500 tells the client a request id, never the exception.
-* ``http_protocol``: uvicorn's HTTP protocol with a deadline for a request's headers, so that
-  a client sending them a byte at a time (slowloris) cannot hold a connection for ever;
-  ``SendDeadline`` does the same for a client that stops reading its answer. The same
-  protocol refuses (400, connection closed) a request that carries both Content-Length and
-  Transfer-Encoding (RFC 9112 section 6.1): a proxy in front that goes by the other header
-  would take a second request hidden in the body for part of the first (request smuggling).
+Each guard is cheap and answers with an error that says what is wrong: a body's size limit
+enforced while it arrives (``read_body``), JSON only (``require_json``: a web page cannot make
+a browser post anything else cross-site without asking), strict JSON (``parse_json``), work
+cancelled when its client hangs up (``cancel_on_disconnect``), a 500 that names a request id and
+never the exception (``internal_error``), deadlines for clients that send their headers slowly or
+stop reading (``http_protocol``, ``SendDeadline``), no request framed twice (request smuggling)
+and, on a loopback server, no Host but this machine's (``LoopbackHosts``).
 """
 
 from __future__ import annotations
@@ -41,20 +26,23 @@ log = logging.getLogger("helpers.server")
 
 T = TypeVar("T")
 
-#: Largest request body accepted, in bytes.
+#: Largest request body accepted, in bytes, and the seconds it may take to arrive.
 MAX_BODY_BYTES = 1 << 20
-#: A body must arrive within this many seconds once its headers have (a slow sender holds a
-#: connection and a task for as long as it likes otherwise).
 BODY_TIMEOUT_SECONDS = 30.0
-#: Deepest nesting of arrays and objects accepted in a body. A JSON schema three levels of
-#: properties deep nests about ten levels; nothing this server reads needs more than a few.
+#: Deepest nesting of arrays and objects accepted in a body (a schema three levels of
+#: properties deep nests about ten).
 MAX_JSON_DEPTH = 64
+#: Seconds a connection has to send a request's headers (uvicorn has no such limit), and to
+#: take the next piece of an answer.
+HEADER_TIMEOUT_SECONDS = 10.0
+SEND_TIMEOUT_SECONDS = 60.0
+#: The names a browser uses for this machine (any port).
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
-# --- errors of the door -------------------------------------------------------------------
 
 class RefusedBody(ApiError):
-    """A body refused before it was read to the end: the answer closes the connection so that
-    the rest of the body is never read (HTTP/1.1 cannot skip it otherwise)."""
+    """A body refused before it was read to the end: the answer closes the connection, as
+    HTTP/1.1 cannot skip the rest of a body otherwise."""
 
     headers = {"Connection": "close"}
 
@@ -65,7 +53,7 @@ class ClientGone(Exception):
 
 def internal_error(request, err: BaseException) -> tuple[str, str]:
     """Log an unexpected exception with a fresh request id; ``(message, request_id)`` for the
-    client. The message names no exception, path or line: those are for the server's log."""
+    client, naming no exception, path or line."""
     request_id = uuid.uuid4().hex[:16]
     where = f"{request.method} {request.url.path}" if request is not None else "a request"
     log.error("internal error in %s (request id %s)", where, request_id,
@@ -74,10 +62,9 @@ def internal_error(request, err: BaseException) -> tuple[str, str]:
 
 
 def stream_failure(err: Exception, request=None) -> tuple[str, str]:
-    """``(message, error_type)`` for the error event that ends a stream already started (its
-    status line was sent, so no error handler can answer any more): the error's own message
-    when it is one of the server's (``ApiError``, ``errors.EngineError``), else a request id,
-    the exception going to the server's log as ``internal_error`` does."""
+    """``(message, error_type)`` for the event that ends a stream already started (no error
+    handler can answer any more): the server's own errors say their message, others go to
+    the log as in ``internal_error``."""
     from .errors import EngineError
 
     if isinstance(err, ApiError):
@@ -87,13 +74,10 @@ def stream_failure(err: Exception, request=None) -> tuple[str, str]:
     return internal_error(request, err)[0], "generation"
 
 
-# --- reading the body ---------------------------------------------------------------------
-
 def require_json(request) -> None:
-    """415 unless the request says its body is JSON (``application/json``, any charset that
-    is UTF-8). Browsers send ``text/plain`` cross-site without a preflight: refusing it keeps
-    web pages from posting to this server through a visitor's browser. The body is not read
-    (the answer closes the connection)."""
+    """415 unless the request says its body is JSON (``application/json``, UTF-8 if it names
+    a charset). Browsers send ``text/plain`` cross-site without a preflight: refusing it keeps
+    web pages from posting to this server through a visitor's browser."""
     given = request.headers.get("content-type")
     media, _, rest = (given or "").partition(";")
     media = media.strip().lower()
@@ -111,10 +95,9 @@ async def read_body(request, limit: int = MAX_BODY_BYTES,
                     timeout: float = BODY_TIMEOUT_SECONDS) -> bytes:
     """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds.
 
-    A Content-Length above the limit is refused before anything is read. A chunked body (no
-    Content-Length) is counted as it arrives and refused as soon as it passes the limit:
-    at most one chunk beyond the limit is ever held in memory (the server reads the socket in
-    chunks of at most 64 KiB). Both answer 413 and close the connection.
+    A Content-Length above the limit is refused before anything is read; a chunked body is
+    counted as it arrives and refused one chunk (at most 64 KiB) past the limit, rather than
+    held whole and measured after. Both answer 413 and close the connection.
     """
     length = request.headers.get("content-length")
     if length is not None:
@@ -140,8 +123,6 @@ async def read_body(request, limit: int = MAX_BODY_BYTES,
         raise RefusedBody(408, f"the request body did not arrive within {timeout:g} s") from None
 
 
-# --- parsing JSON -------------------------------------------------------------------------
-
 class _NotJson(ValueError):
     pass
 
@@ -164,9 +145,8 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def json_depth(text: str) -> int:
-    """How deeply arrays and objects nest in ``text`` (brackets inside strings don't count).
-    Cheap enough to run before parsing: two regular-expression passes and one running sum
-    (about 0.1 s for a megabyte of brackets, the worst case the body limit allows)."""
+    """How deeply arrays and objects nest in ``text`` (brackets inside strings don't count):
+    two regular-expression passes and a running sum, cheap enough to run before parsing."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
 
@@ -193,8 +173,8 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
 
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, strictly: UTF-8, no NaN/Infinity, no number too large for a float,
-    no lone surrogate escape, at most ``MAX_JSON_DEPTH`` levels. Anything else is a 400 that
-    says what is wrong."""
+    no lone surrogate escape (no UTF-8 encoder can write it back), at most ``MAX_JSON_DEPTH``
+    levels. Python's ``json`` takes all of these; here each is a 400 that says what is wrong."""
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object", 400)
     try:
@@ -226,12 +206,9 @@ def parse_json(raw: bytes) -> Any:
     return data
 
 
-# --- clients that hang up -----------------------------------------------------------------
-
 async def wait_for_disconnect(request) -> None:
-    """Returns when the client of ``request`` has hung up. Call it only once the body has been
-    read: it consumes the request's ASGI messages (after the body, the only one left to come
-    is ``http.disconnect``)."""
+    """Returns when the client of ``request`` has hung up. Only once the body has been read:
+    after the body, the only ASGI message left to come is ``http.disconnect``."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -241,12 +218,9 @@ async def wait_for_disconnect(request) -> None:
 async def cancel_on_disconnect(request, work: Awaitable[T],
                                on_gone: Callable[[], None] | None = None) -> T:
     """Run ``work`` (a coroutine) until it finishes or the client hangs up, whichever is first.
-
-    If the client goes, ``on_gone()`` is called, ``work`` is cancelled (so its ``finally``
-    blocks run: that is where a route cancels its engine requests) and ``ClientGone`` is
-    raised. A non-streaming request is watched all the time, not only between two tokens:
-    a row that is producing tokens leaves the batch at the next step after the hang-up.
-    """
+    If the client goes, ``on_gone()`` is called, ``work`` is cancelled (its ``finally`` blocks
+    cancel its engine requests: the rows leave the batch at the next step) and ``ClientGone``
+    is raised."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
@@ -264,25 +238,25 @@ async def cancel_on_disconnect(request, work: Awaitable[T],
             task.cancel()
 
 
-# --- clients that send their headers slowly (slowloris) ----------------------------------
-
-#: A connection must finish a request's headers within this many seconds of opening (or of
-#: its previous answer); uvicorn itself has no such limit.
-HEADER_TIMEOUT_SECONDS = 10.0
+def _refusal(message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """``(body, headers)`` of an error answered below the application (by the protocol or a
+    middleware), in LoRAX's shape; the connection closes after it."""
+    body = json.dumps({"error": message, "error_type": "validation"}).encode()
+    return body, [(b"content-type", b"application/json"), (b"connection", b"close"),
+                  (b"content-length", str(len(body)).encode())]
 
 
 def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
-    """uvicorn's h11 HTTP protocol with a deadline for the request's headers, for
-    ``uvicorn.Config(http=...)``.
+    """uvicorn's h11 HTTP protocol, for ``uvicorn.Config(http=...)``, with two guards.
 
-    uvicorn closes a kept-alive connection that stays idle, but a client that opens a
-    connection and sends its headers a byte at a time (slowloris) holds that connection, a
-    file descriptor and a slot of ``limit_concurrency`` for as long as it likes. Enough of
-    them and nobody else can connect. Here a connection whose request has not started within
-    ``header_timeout`` seconds is closed.
+    A connection whose request headers have not all come within ``header_timeout`` seconds is
+    closed: a client sending them a byte at a time (slowloris) would otherwise hold a
+    connection, and a slot of ``limit_concurrency``, for as long as it likes.
 
-    It also refuses a request that says how long its body is twice, with both Content-Length
-    and Transfer-Encoding (see ``_refuse_two_framings``)."""
+    A request with both Transfer-Encoding and Content-Length is answered 400 and the
+    connection closed, its body unread (RFC 9112 section 6.1). h11 would frame it by the
+    chunked encoding and keep the connection open, so a proxy in front that goes by
+    Content-Length would pass on a second request hidden after the last chunk."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -296,27 +270,17 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
 
         def _next_event(self):
             event = self._h11_next_event()
-            if isinstance(event, h11.Request) and _two_framings(event.headers):
+            names = {n for n, _ in event.headers} if isinstance(event, h11.Request) else set()
+            if {b"transfer-encoding", b"content-length"} <= names:
                 self._refuse_two_framings()
                 return h11.NEED_DATA       # uvicorn reads no further; the connection closes
             return event
 
         def _refuse_two_framings(self) -> None:
-            """400 and close the connection, without reading the body or anything after it.
-
-            RFC 9112 section 6.1: a request with both Transfer-Encoding and Content-Length
-            "ought to be handled as an error", and a server that processes it anyway must
-            close the connection afterwards. h11 frames it by the chunked encoding and keeps
-            the connection open, so a proxy in front that goes by Content-Length would pass a
-            second request hidden after the last chunk, and it would be answered.
-            (h11 itself refuses any Transfer-Encoding but a single ``chunked``.)"""
             log.warning("refused a request with both Transfer-Encoding and Content-Length "
                         "from %s", self.client)
-            body = json.dumps({"error": "a request may not carry both Transfer-Encoding and "
-                                        "Content-Length (RFC 9112 section 6.1): send one",
-                               "error_type": "validation"}).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(body)).encode())]
+            body, headers = _refusal("a request may not carry both Transfer-Encoding and "
+                                     "Content-Length (RFC 9112 section 6.1): send one")
             for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                           h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
@@ -359,24 +323,10 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
     return HeaderDeadlineProtocol
 
 
-def _two_framings(headers) -> bool:
-    """True when h11's request headers (names in lower case) hold both Transfer-Encoding
-    and Content-Length."""
-    names = {name for name, _ in headers}
-    return b"transfer-encoding" in names and b"content-length" in names
-
-
-# --- clients that stop reading -------------------------------------------------------------
-
-#: Longest wait for a client to take the next piece of an answer, in seconds.
-SEND_TIMEOUT_SECONDS = 60.0
-
-
 class SendDeadline:
-    """ASGI middleware: a client that stops reading its answer (a stream it neither reads nor
-    closes) is dropped once one write has waited ``timeout`` seconds. Without it the request's
-    task and connection stay open for as long as the client likes: uvicorn has no write
-    timeout, and the socket's buffers stay full."""
+    """ASGI middleware: a client that stops reading its answer is dropped once one write has
+    waited ``timeout`` seconds (uvicorn has no write timeout: the request's task and connection
+    would stay open for as long as the client likes)."""
 
     def __init__(self, app, timeout: float = SEND_TIMEOUT_SECONDS):
         self.app = app
@@ -404,12 +354,6 @@ class SendDeadline:
                         scope.get("method"), scope.get("path"))
 
 
-# --- web pages that rebind their name to this machine ------------------------------------
-
-#: The names a browser uses for this machine (any port).
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
 def is_loopback(host: str) -> bool:
     """True for an address that only this machine can reach (127.x.x.x, ::1, localhost)."""
     import ipaddress
@@ -432,12 +376,9 @@ def _host_name(header: str) -> str:
 
 class LoopbackHosts:
     """ASGI middleware for a server that listens on this machine only: a request whose Host
-    header is not a loopback name is refused (403).
-
-    Requiring JSON keeps other web sites' pages from posting to the server through a visitor's
-    browser, but not a page whose own name the attacker points at 127.0.0.1 after it loaded
-    (DNS rebinding): to the browser that page and the server are then one site. Its requests
-    still carry the attacker's name in Host, which is how they are told apart."""
+    is not a loopback name is refused (403). A page whose own name its author points at
+    127.0.0.1 once loaded (DNS rebinding) is the same site as the server to the browser, but
+    its requests still carry that name in Host."""
 
     def __init__(self, app, names=LOOPBACK_NAMES):
         self.app = app
@@ -448,12 +389,9 @@ class LoopbackHosts:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             name = _host_name(host)
             if name not in self.names and not is_loopback(name):
-                body = json.dumps({"error": f"this server answers requests addressed to this "
-                                            f"machine only (Host: {host[:100]!r})",
-                                   "error_type": "validation"}).encode()
-                await send({"type": "http.response.start", "status": 403, "headers": [
-                    (b"content-type", b"application/json"), (b"connection", b"close"),
-                    (b"content-length", str(len(body)).encode())]})
+                body, headers = _refusal(f"this server answers requests addressed to this "
+                                         f"machine only (Host: {host[:100]!r})")
+                await send({"type": "http.response.start", "status": 403, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)

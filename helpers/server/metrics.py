@@ -1,16 +1,11 @@
 """``/metrics``: the server's counters, gauges and latency histograms in Prometheus' text
 format. (Lesson 07.)
 
-Prometheus (or anything that reads its format) scrapes ``GET /metrics``: one sample per line,
-each metric announced by a ``# HELP`` line (what it means) and a ``# TYPE`` line (counter:
-only goes up; gauge: goes up and down; histogram: how many observations fell at or below each
-bucket edge ``le``, plus their sum and count). From two scrapes a dashboard gets rates (tokens
-per second) and latency percentiles (time to first token, time per output token).
-
-The HTTP side feeds the histograms (``serving.Run`` calls ``Metrics.observe_token`` as each
-token reaches it, whichever process the engine runs in: the latencies clients saw); the
-counters and gauges come from the engine's ``snapshot()`` when the page is asked for, and the
-HTTP answers are counted by status code by ``CountResponses``.
+Each metric has a ``# HELP`` line, a ``# TYPE`` line (counter: only goes up; gauge: up and down;
+histogram: how many observations fell at or below each bucket edge ``le``) and its samples; from
+two scrapes a dashboard gets rates and latency percentiles. The histograms are the latencies
+clients saw (``serving.Run`` calls ``Metrics.observe_token`` for each token); the counters and
+gauges come from the engine's ``snapshot()``; ``CountResponses`` counts the answers by status.
 """
 
 from __future__ import annotations
@@ -26,14 +21,11 @@ prometheus_client.disable_created_metrics()
 
 PREFIX = "helpers_server_"
 
-#: Bucket edges in seconds. Time to first token: a few ms on a GPU with an empty queue, up to
-#: seconds on a CPU behind a full batch. Time per output token: about a millisecond (GPU, small
-#: batch) to a few hundred (CPU, full batch, long prompts being read in between).
+#: Bucket edges in seconds: from a GPU with an empty queue to a CPU behind a full batch.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
-#: What each key of ``Engine.snapshot()`` is: (type, help). Keys not listed are shown as
-#: "untyped" (a counter the engine gained later still shows up).
+#: What each key of ``Engine.snapshot()`` is: (type, help); a key not listed is "untyped".
 ENGINE_METRICS = {
     "requests": ("counter", "Requests the engine accepted into its queue."),
     "tokens": ("counter", "Tokens generated, all rows together."),
@@ -82,17 +74,15 @@ ENGINE_METRICS = {
     "cuda_graph_capture_seconds": ("counter", "Seconds spent capturing the graphs."),
 }
 
-# Figures counted by a label: every label has a sample from the start (0 until it happens),
-# with or without graphs, so that a dashboard's query finds the series. A plain number counts
-# under the first label.
+# Figures counted by a label: every label has a sample from the start, so that a dashboard's
+# query finds the series. A plain number counts under the first label.
 LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows"),
           "failed": ("error", "engine_crash")}
 
 
 def combine(first: dict, second: dict, how=operator.add) -> dict:
-    """``second`` (a ``snapshot()``) with each of its counters combined with ``first``'s:
-    added (what engine processes that died had counted, carried over to the next) or the
-    larger taken. Gauges are ``second``'s: they say what is, not what was."""
+    """``second`` (a ``snapshot()``) with each of its counters combined with ``first``'s (added:
+    what engine processes that died had counted; or the larger taken). Gauges are ``second``'s."""
     out = dict(second)
     for key, mine in first.items():
         if ENGINE_METRICS.get(key, ("counter",))[0] != "counter":
@@ -115,19 +105,21 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-class Metrics:
-    """The latency histograms and the answer counts of the HTTP side (what clients saw).
+def _family(key: str, kind: str, help: str, value, label: str = "reason") -> list[str]:
+    """One metric's lines: HELP, TYPE and its samples (``value``, or ``{label value: value}``)."""
+    name = PREFIX + key
+    lines = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+    if isinstance(value, dict):
+        return lines + [f'{name}{{{label}="{k}"}} {_number(v)}' for k, v in sorted(value.items())]
+    return lines + [f"{name} {_number(value)}"]
 
-    ``observe_token(started, last, now)`` is called for each token of a request as it reaches
-    the HTTP side: the first one (``last`` None) is timed from ``started``, when the request
-    was read (time to first token, admission and queueing included), each later one from the
-    same sequence's previous token.
-    """
+
+class Metrics:
+    """The latency histograms and the answer counts of the HTTP side (what clients saw)."""
 
     def __init__(self):
-        # prometheus_client keeps and writes the histograms (thread-safe: the thread that
-        # hands out tokens observes, a worker thread renders). The other figures are written
-        # below: it would rename each counter <name>_total and write 528 as 528.0.
+        # prometheus_client keeps and writes the histograms (thread-safe). The other figures
+        # are written below: it would rename each counter <name>_total and write 528 as 528.0.
         self.histograms = prometheus_client.CollectorRegistry()
         self.ttft = prometheus_client.Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -142,7 +134,8 @@ class Metrics:
         self._lock = threading.Lock()
 
     def observe_token(self, started: float, last: float | None, now: float) -> None:
-        """One token of a sequence reached the HTTP side at ``now`` (seconds, any clock)."""
+        """One token of a sequence reached the HTTP side at ``now``: the first (``last`` None)
+        is timed from ``started``, when the request was read, each later one from ``last``."""
         if last is None:
             self.ttft.observe(now - started)
         else:
@@ -156,37 +149,26 @@ class Metrics:
         """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
         does not answer, and ``up`` says so), how often its process was restarted, the
         answers by status code, the histograms."""
-        name = PREFIX + "up"
-        lines = [f"# HELP {name} 1 while the engine answers; 0 when it does not (its own "
-                 f"figures are then left out).", f"# TYPE {name} gauge",
-                 f"{name} {0 if snapshot is None else 1}"]
-        name = PREFIX + "engine_restarts"
-        lines += [f"# HELP {name} Engine processes started again after the one before "
-                  f"crashed (the engine in a process of its own).", f"# TYPE {name} counter",
-                  f"{name} {restarts}"]
+        lines = _family("up", "gauge", "1 while the engine answers; 0 when it does not (its "
+                        "own figures are then left out).", 0 if snapshot is None else 1)
+        lines += _family("engine_restarts", "counter", "Engine processes started again after "
+                         "the one before crashed (the engine in a process of its own).", restarts)
         for key in sorted(set(ENGINE_METRICS) | set(snapshot)) if snapshot is not None else []:
             kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
-            name = PREFIX + key
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
             value = snapshot.get(key, 0)
-            if key in LABELS or isinstance(value, dict):      # one sample per reason
-                counts = {**dict.fromkeys(LABELS.get(key, ()), 0),
-                          **(value if isinstance(value, dict) else {LABELS[key][0]: value})}
-                lines += [f'{name}{{reason="{reason}"}} {_number(count)}'
-                          for reason, count in sorted(counts.items())]
-            else:
-                lines.append(f"{name} {_number(value)}")
+            if key in LABELS and not isinstance(value, dict):
+                value = {LABELS[key][0]: value}
+            if key in LABELS:
+                value = {**dict.fromkeys(LABELS[key], 0), **value}
+            lines += _family(key, kind, help, value)
         with self._lock:
-            responses = sorted(self._responses.items())
-        name = PREFIX + "responses"
-        lines += [f"# HELP {name} HTTP answers by status code.", f"# TYPE {name} counter"]
-        lines += [f'{name}{{code="{code}"}} {count}' for code, count in responses]
+            responses = dict(self._responses)
+        lines += _family("responses", "counter", "HTTP answers by status code.", responses,
+                         label="code")
         # 499 is not a refusal: it marks a client that hung up (see ``cancelled``).
-        rejected = sum(count for code, count in responses if 400 <= code < 500 and code != 499)
-        name = PREFIX + "rejected"
-        lines += [f"# HELP {name} Requests answered with a 4xx status (refused at the door, "
-                  f"not found, or the queue was full).", f"# TYPE {name} counter",
-                  f"{name} {rejected}"]
+        rejected = sum(n for code, n in responses.items() if 400 <= code < 500 and code != 499)
+        lines += _family("rejected", "counter", "Requests answered with a 4xx status (refused "
+                         "at the door, not found, or the queue was full).", rejected)
         return "\n".join(lines) + "\n" + prometheus_client.generate_latest(
             self.histograms).decode()
 

@@ -1,15 +1,8 @@
 """The server's options, declared once. (Lesson 07.)
 
-Every option the server takes is one row of ``OPTIONS``: its name, its type, its default and
-what it does. Everything else is made from this table:
-
-- the command's flags (``python -m helpers.server --help``: ``max_batch_size`` becomes
-  ``--max-batch-size``), by ``add_arguments``;
-- the keyword arguments of ``serve_in_background``, which turns them back into those flags
-  (``command_line``) and refuses a name that is not in the table;
-- the defaults of ``Engine`` (``DEFAULTS["max_batch_size"]`` and so on).
-
-So a new option, or a new default, is one line here, and the three cannot disagree.
+Each option is one row of ``OPTIONS`` (name, type, default, help); from it come the command's
+flags (``max_batch_size`` becomes ``--max-batch-size``), ``serve_in_background``'s keyword
+arguments (turned back into flags by ``command_line``) and ``Engine``'s defaults (``DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Option:
-    """One server option. ``default`` None means "decided when the server starts" (the help
-    says how); ``choices`` (if any) are the only values accepted."""
+    """One server option. ``default`` None: decided when the server starts (the help says how)."""
 
     name: str
     type: type
@@ -91,7 +83,6 @@ OPTIONS: tuple[Option, ...] = (
 ENGINE_OPTIONS = ("max_batch_size", "max_input_tokens", "max_total_tokens", "max_queue",
                   "default_max_new_tokens", "admission", "kv_cache")
 
-#: Each option's default, by name.
 DEFAULTS: dict[str, object] = {option.name: option.default for option in OPTIONS}
 _BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -119,9 +110,8 @@ def check(values: dict) -> None:
 
 
 def command_line(values: dict) -> list[str]:
-    """The flags that give the server ``values`` (``{name: value}``); a value of None means
-    "the default" and is left out. Raises ``ValueError`` for a name that is not an option, or
-    a value its option does not take."""
+    """The flags that give the server ``values`` (``{name: value}``; None: the default).
+    ``ValueError`` for a name that is not an option, or a value its option does not take."""
     check(values)
     flags = []
     for name, value in values.items():

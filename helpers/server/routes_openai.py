@@ -1,9 +1,8 @@
 """OpenAI's routes. (Lesson 07.)
 
     POST /v1/completions         completions (``stream`` too); the adapter goes in ``model``
-    POST /v1/chat/completions    chat completions (``stream`` too); the prompt is the messages
-                                 written out with the model's chat template (in the engine:
-                                 ``admission.py``, ``tokens.py``)
+    POST /v1/chat/completions    chat completions (``stream`` too); the engine writes the
+                                 messages out with the model's chat template
     GET  /v1/models              the base model and the adapters
     GET  /v1/models/{id}         one of them (404 for a name this server does not serve)
 
@@ -34,12 +33,10 @@ def finish_reason(sequence: Completion) -> str:
 
 
 def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
-    """The generated text as OpenAI returns it (special tokens left out, as vLLM's
-    ``skip_special_tokens`` does, and without a matched stop sequence) and the tokens in it,
-    each with where it starts in that text. The text is built from the tokens' own pieces, so
-    a streamed answer and a whole one are the same text. The tokens listed cover the text: the
-    one the stop sequence begins in is listed when part of it is in the text, so the tokens
-    may run a few characters past the text's end."""
+    """The generated text as OpenAI returns it (no special tokens, as vLLM's
+    ``skip_special_tokens``; no matched stop sequence), built from the tokens' own pieces so
+    that a streamed answer and a whole one agree, and the tokens in it, each with where it
+    starts (the one the stop sequence begins in too, when part of it is in the text)."""
     finish = sequence.finish
     stop_at = finish.stop_at if finish.reason == "stop_sequence" else None
     text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
@@ -78,30 +75,47 @@ def top_of(token: dict) -> dict:
     return {alt["text"]: alt["logprob"] for alt in token.get("alternative_tokens") or []}
 
 
-async def parse(request: Request, parser) -> Call:
-    return parser(await read_json(request), request.app.state.engine.model_id)
-
-
-async def start(request: Request, call: Call) -> Run:
+async def start(request: Request, parser) -> tuple[Run, Call]:
+    """Read the body with ``parser`` and start its run."""
+    call = parser(await read_json(request), request.app.state.engine.model_id)
     try:
-        return await Run.start(request.app.state, call)
+        return await Run.start(request.app.state, call), call
     except errors.EngineError as err:      # the adapter came in `model`: say that field
         if err.message.startswith("adapter_id "):
             raise type(err)("`model`" + err.message[len("adapter_id"):]) from None
         raise
 
 
+async def answer(request: Request, parser, kind: str, stream, choice) -> JSONResponse:
+    """A route's whole answer: ``stream(run, call, meta)``'s chunks when the body asks for a
+    stream, else ``choice(sequence, call, index)`` for each sequence returned (the ``n`` best
+    of each prompt's copies, prompt by prompt)."""
+    run, call = await start(request, parser)
+    if call.stream:
+        # OpenAI names a chat stream's objects "chat.completion.chunk"
+        meta = header(f"{kind}.chunk" if kind == "chat.completion" else kind, call)
+        return openai_stream(stream(run, call, meta), run, call, meta)
+    sequences = await run.collect(request)
+    returned = [s for group in run.by_prompt() for s in pick(group, call.n)]
+    return JSONResponse({**header(kind, call),
+                         "choices": [choice(s, call, i) for i, s in enumerate(returned)],
+                         "usage": usage(sequences)})
+
+
 # --- completions ----------------------------------------------------------------------------
 
-def completion_logprobs(entries: list[tuple[int, str, float | None, dict | None]]) -> dict:
-    """OpenAI's completions ``logprobs`` from ``(offset, text, logprob, top)`` entries."""
+def completion_logprobs(tokens: list[tuple[int, dict]], offset: int = 0, prompt=()) -> dict:
+    """OpenAI's completions ``logprobs``: the ``prompt_entries`` given, then ``tokens``
+    (``(start, token)``, the starts counted from ``offset``)."""
+    entries = list(prompt) + [(offset + start, t["text"], t["logprob"], top_of(t))
+                              for start, t in tokens]
     return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
             "top_logprobs": [e[3] for e in entries], "text_offset": [e[0] for e in entries]}
 
 
 def prompt_entries(sequence: Completion) -> list[tuple]:
-    """The echoed prompt's tokens as logprobs entries; the first has no log probability and
-    no alternatives (nothing comes before it)."""
+    """The echoed prompt's tokens as ``(offset, text, logprob, top)`` entries; the first has
+    no log probability and no alternatives (nothing comes before it)."""
     entries, offset = [], 0
     for i, token in enumerate(sequence.prompt_tokens or []):
         entries.append((offset, token["text"], token["logprob"], top_of(token) if i else None))
@@ -114,30 +128,16 @@ def completion_choice(sequence: Completion, call: Call, index: int) -> dict:
     prefix = sequence.prompt if call.echo else ""
     logprobs = None
     if call.logprobs is not None:
-        entries = prompt_entries(sequence) if call.echo else []
-        entries += [(len(prefix) + start, t["text"], t["logprob"], top_of(t))
-                    for start, t in kept]
-        logprobs = completion_logprobs(entries)
+        prompt = prompt_entries(sequence) if call.echo else ()
+        logprobs = completion_logprobs(kept, len(prefix), prompt)
     return {"index": index, "text": prefix + text, "logprobs": logprobs,
             "finish_reason": finish_reason(sequence)}
 
 
-def chosen(run: Run, call: Call) -> list[Completion]:
-    """The sequences returned: the ``n`` best of each prompt's copies, prompt by prompt."""
-    return [s for group in run.by_prompt() for s in pick(group, call.n)]
-
-
 @router.post("/v1/completions")
 async def completions(request: Request):
-    call = await parse(request, parse_completion)
-    run = await start(request, call)
-    if call.stream:
-        meta = header("text_completion", call)
-        return openai_stream(completion_stream(run, call, meta), run, call, meta)
-    sequences = await run.collect(request)
-    choices = [completion_choice(s, call, i) for i, s in enumerate(chosen(run, call))]
-    return JSONResponse({**header("text_completion", call), "choices": choices,
-                         "usage": usage(sequences)})
+    return await answer(request, parse_completion, "text_completion", completion_stream,
+                        completion_choice)
 
 
 class Held:
@@ -152,8 +152,7 @@ class Held:
         self.pending: list[tuple[int, dict]] = []
 
     def add(self, token: dict | None) -> tuple[str, list[tuple[int, dict]]]:
-        """Take a token that is not the last; ``(text, tokens)`` that can be sent now (maybe
-        nothing)."""
+        """Take a token that is not the last; ``(text, tokens)`` that can be sent now."""
         self.take(token)
         safe = len(self.text) - self.hold
         ready = []
@@ -170,12 +169,10 @@ class Held:
             self.text += token["text"]
 
     def finish(self, last: dict | None, final: str) -> tuple[str, list[tuple[int, dict]]]:
-        """Take the last token; the rest, now that the final text (a stop sequence cut from
-        it) is known. (The last token is never released before: it may hold the whole stop
-        sequence, a one-character one for instance.)"""
+        """Take the last token (never released before: it may hold the whole stop sequence);
+        the rest, now that the final text is known. A token that begins at or after its end
+        holds only the cut stop sequence and is not handed out (as in ``cut``)."""
         self.take(last)
-        # A token that begins at or after the end of the final text holds only the cut stop
-        # sequence: it is not handed out; one that begins before is (as in ``cut``).
         ready = [(start, t) for start, t in self.pending if start < len(final)]
         self.pending = []
         return self._release(len(final), final), ready
@@ -205,16 +202,23 @@ def openai_stream(chunks, run: Run, call: Call, meta: dict):
     return event_stream(events())
 
 
+async def released(run: Run, call: Call):
+    """``(sequence, event, text, tokens)`` for each event of a streamed run: the text and
+    tokens that can be sent now (``Held``); none for a ``PromptEvent``."""
+    held = {s: Held(call.params.stop) for s in run.completions}
+    async for s, event in run.events():
+        if isinstance(event, PromptEvent):
+            yield s, event, "", []
+        elif event.finish is None:
+            yield s, event, *held[s].add(event.token)
+        else:
+            yield s, event, *held[s].finish(event.token, cut(s)[0])
+
+
 async def completion_stream(run: Run, call: Call, meta: dict):
     """The chunks of a streamed completion (``openai_stream`` adds the end)."""
-    held = {s: Held(call.params.stop) for s in run.completions}
-
-    def chunk(index, text, tokens, offset=0, reason=None, prompt=None):
-        logprobs = None
-        if call.logprobs is not None:
-            entries = list(prompt or []) + [(offset + start, t["text"], t["logprob"], top_of(t))
-                                            for start, t in tokens]
-            logprobs = completion_logprobs(entries)
+    def chunk(index, text, tokens, offset=0, reason=None, prompt=()):
+        logprobs = None if call.logprobs is None else completion_logprobs(tokens, offset, prompt)
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
@@ -223,18 +227,14 @@ async def completion_stream(run: Run, call: Call, meta: dict):
         prefixes[s] = s.prompt if call.echo else ""
         if call.echo and not call.params.prompt_logprobs:
             yield chunk(s.index * call.n + s.copy, prefixes[s], [])
-    async for s, event in run.events():
+    async for s, event, text, tokens in released(run, call):
         index, offset = s.index * call.n + s.copy, len(prefixes[s])
         if isinstance(event, PromptEvent):         # the prompt's tokens (echo + logprobs)
             yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
-            continue
-        if event.finish is None:
-            text, tokens = held[s].add(event.token)
-            if text or tokens:
-                yield chunk(index, text, tokens, offset)
-            continue
-        text, tokens = held[s].finish(event.token, cut(s)[0])
-        yield chunk(index, text, tokens, offset, finish_reason(s))
+        elif event.finish is not None:
+            yield chunk(index, text, tokens, offset, finish_reason(s))
+        elif text or tokens:
+            yield chunk(index, text, tokens, offset)
 
 
 # --- chat completions -----------------------------------------------------------------------
@@ -257,27 +257,13 @@ def chat_choice(sequence: Completion, call: Call, index: int) -> dict:
             "finish_reason": finish_reason(sequence)}
 
 
-async def chat_run(request: Request) -> tuple[Run, Call]:
-    call = await parse(request, parse_chat)      # the engine writes out the messages
-    return await start(request, call), call
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    run, call = await chat_run(request)
-    if call.stream:
-        meta = header("chat.completion.chunk", call)
-        return openai_stream(chat_stream(run, call, meta), run, call, meta)
-    sequences = await run.collect(request)
-    choices = [chat_choice(s, call, i) for i, s in enumerate(chosen(run, call))]
-    return JSONResponse({**header("chat.completion", call), "choices": choices,
-                         "usage": usage(sequences)})
+    return await answer(request, parse_chat, "chat.completion", chat_stream, chat_choice)
 
 
 async def chat_stream(run: Run, call: Call, meta: dict):
     """The chunks of a streamed chat completion (``openai_stream`` adds the end)."""
-    held = {s: Held(call.params.stop) for s in run.completions}
-
     def chunk(index, delta, tokens=(), reason=None):
         logprobs = chat_logprobs(list(tokens)) if call.logprobs is not None and tokens else None
         return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -285,18 +271,11 @@ async def chat_stream(run: Run, call: Call, meta: dict):
 
     for s in run.completions:
         yield chunk(s.copy, {"role": "assistant", "content": ""})
-    async for s, event in run.events():
-        if isinstance(event, PromptEvent):
-            continue
-        if event.finish is None:
-            text, tokens = held[s].add(event.token)
-            if text or tokens:
-                yield chunk(s.copy, {"content": text}, tokens)
-            continue
-        text, tokens = held[s].finish(event.token, cut(s)[0])
+    async for s, event, text, tokens in released(run, call):
         if text or tokens:
             yield chunk(s.copy, {"content": text}, tokens)
-        yield chunk(s.copy, {}, reason=finish_reason(s))
+        if not isinstance(event, PromptEvent) and event.finish is not None:
+            yield chunk(s.copy, {}, reason=finish_reason(s))
 
 
 # --- models ---------------------------------------------------------------------------------
