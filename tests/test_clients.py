@@ -521,7 +521,7 @@ def test_temperature_zero_is_greedy_everywhere(oai, greedy, url):
 
 
 @pytest.mark.parametrize("stop", [" hill", "ill", " to fetch", "."])
-def test_stop_sequence_is_cut_from_logprobs(oai, greedy, stop):
+def test_logprobs_cover_a_text_cut_at_a_stop_sequence(oai, greedy, stop):
     prompt = "Jack and Jill"
     full = greedy(prompt, 20)
     want = full[:full.index(stop)]
@@ -530,12 +530,11 @@ def test_stop_sequence_is_cut_from_logprobs(oai, greedy, stop):
     choice = reply.choices[0]
     assert choice.text == want and choice.finish_reason == "stop"
     logprobs = choice.logprobs
-    # Every kept token lies inside the text; the token the stop starts in is left out, so
-    # no part of the stop sequence is in the log probabilities.
-    joined = "".join(logprobs.tokens)
-    assert want.startswith(joined) and stop not in joined
+    # The tokens listed cover the text: each begins in it, the one the stop starts in too
+    # when part of it is in the text.
+    assert "".join(logprobs.tokens).startswith(want)
     for offset, token in zip(logprobs.text_offset, logprobs.tokens):
-        assert want[offset:offset + len(token)] == token
+        assert offset < len(want) and full[offset:offset + len(token)] == token
     chunks = list(oai.completions.create(model="bundled", prompt=prompt, max_tokens=20,
                                          temperature=0, stop=[stop], logprobs=1, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
@@ -567,7 +566,8 @@ def test_the_bundled_tokenizer_ships_a_chat_template(bundled):
 @pytest.mark.parametrize("stop", [".", "ll", " hill", "hill to"])
 def test_held_back_stream_never_sends_a_stop_sequence(stop):
     """OpenAI's streams leave a stop sequence out, so text that could still become one is held
-    back; whatever the stop, the chunks add up to the text before it, tokens whole."""
+    back; whatever the stop, the chunks add up to the text before it, and the tokens released
+    (whole) cover that text: the one the stop begins in too, when part of it is there."""
     from helpers.server.routes_openai import Held
 
     pieces = [" went", " up", " the", " hill", " to", " fetch", " a", " pail", " of", " water",
@@ -584,5 +584,6 @@ def test_held_back_stream_never_sends_a_stop_sequence(stop):
         released += [t["text"] for _, t in tokens]
         assert stop not in sent
     assert sent == full[:cut_at]
-    assert sent.startswith("".join(released))        # no token holding the stop is released
-    assert len(released) == sum(end <= cut_at for end in ends[:last + 1])
+    assert "".join(released).startswith(sent)
+    starts = [end - len(piece) for end, piece in zip(ends, pieces)]
+    assert len(released) == sum(start < cut_at for start in starts[:last + 1])

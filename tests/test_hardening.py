@@ -117,40 +117,23 @@ def healthy(url) -> bool:
     return httpx.get(url + "/health", timeout=10).status_code == 200
 
 
-# --- a small Prometheus text-format parser ---------------------------------------------------
-
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? (\S+)$')
-
+# --- /metrics, read by Prometheus' own text parser ---------------------------------------------
 
 def parse_prometheus(text: str) -> dict:
-    """``{family: {"type", "help", "samples": [(name, labels, value)]}}``, checking the format
-    on the way: every sample belongs to the family whose HELP and TYPE came just before it."""
-    families: dict = {}
-    current = None
-    for line in text.splitlines():
-        if not line:
-            continue
-        if line.startswith("# HELP ") or line.startswith("# TYPE "):
-            name, _, rest = line[7:].partition(" ")
-            family = families.setdefault(name, {"samples": []})
-            key = "help" if line.startswith("# HELP") else "type"
-            assert key not in family, f"two {key} lines for {name}"
-            family[key] = rest
-            current = name
-            continue
-        assert not line.startswith("#"), line
-        match = SAMPLE.match(line)
-        assert match, f"not a sample line: {line!r}"
-        name, labels, value = match.groups()
-        family = name
-        if family not in families:
-            family = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert family == current, f"{name} is not under its own HELP/TYPE lines"
-        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
-        families[family]["samples"].append((name, pairs, float(value)))
-    for name, family in families.items():
-        assert family.get("help") and family.get("type"), name
-        assert family["type"] in ("counter", "gauge", "histogram", "untyped", "summary"), name
+    """``{family: {"type", "help", "samples": [(name, labels, value)]}}``, read by
+    prometheus_client's parser (what a scraper reads; it refuses a malformed line). A sample
+    away from its own HELP and TYPE lines would make a family without them. The parser names a
+    counter's samples ``<name>_total``; here they keep the name the page gives them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {}
+    for family in text_string_to_metric_families(text):
+        assert family.name not in families and family.documentation, family.name
+        families[family.name] = {"type": family.type, "help": family.documentation,
+                                  "samples": [(sample.name.removesuffix("_total")
+                                               if family.type == "counter" else sample.name,
+                                               sample.labels, sample.value)
+                                              for sample in family.samples]}
     return families
 
 

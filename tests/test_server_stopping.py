@@ -101,10 +101,17 @@ def streams(url: str, count: int, tokens: int = 250):
                                  "Ctrl-C (SIGINT to the group)"])
 def test_a_signal_ends_every_stream_with_a_last_event_and_exits_0(tmp_path, how):
     """No drain time: every stream running gets an error event that says the server is
-    stopping, the server exits with status 0, no traceback, no restart of the engine, and
-    no process of its group is left."""
+    stopping, a request waiting for its whole answer gets a 503, the server exits with status
+    0, no traceback, no restart of the engine, and no process of its group is left."""
     process, url = start(tmp_path, "--drain-seconds", "0")
     outs, threads = streams(url, 4)
+    whole = []
+    body = {"inputs": "Jack", "parameters": {"max_new_tokens": 250, "ignore_eos_token": True}}
+    threads.append(threading.Thread(target=lambda: whole.append(
+        httpx.post(url + "/generate", json=body, timeout=60)), daemon=True))
+    threads[-1].start()
+    while "helpers_server_running 5\n" not in httpx.get(url + "/metrics", timeout=10).text:
+        time.sleep(0.05)
     sig = signal.SIGINT if "SIGINT" in how else signal.SIGTERM
     if "group" in how:
         os.killpg(process.pid, sig)
@@ -115,6 +122,7 @@ def test_a_signal_ends_every_stream_with_a_last_event_and_exits_0(tmp_path, how)
         thread.join(30)
     assert process.returncode == 0, output
     assert [last_event(out) for out in outs] == ["error: the server is shutting down"] * 4
+    assert whole[0].status_code == 503 and "shutting down" in whole[0].json()["error"]
     assert "Traceback" not in output and "restart" not in output, output
     assert group_is_empty(process.pid)
 

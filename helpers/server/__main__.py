@@ -65,9 +65,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, stopping as TGI and vLLM do: on SIGTERM or SIGINT it admits nothing new
-    (503), gives the requests running ``drain`` seconds, ends the others with an error, then
-    stops the engine and exits with status 0."""
+    """uvicorn's server, stopping as TGI and vLLM do. On SIGTERM or SIGINT it admits nothing
+    new (503), lets the requests running finish for ``drain`` seconds, ends the others with
+    an error (``serving.Runs.end``), then shuts down and stops the engine: exit status 0,
+    without the signal raised again (uvicorn would: a traceback for SIGINT, -15 for SIGTERM).
+    """
 
     def __init__(self, config, runs, drain: float):
         super().__init__(config)

@@ -503,7 +503,8 @@ class EngineProcess:
         """The running engine's counters plus those of the engine processes that died before
         it, and every sequence a crash cut counted as failed: they never go down."""
         now = self._ask("snapshot")
-        self._heard_counters(now)
+        if self._process.is_alive():      # not a dead engine's, already carried
+            self._heard_counters(now)
         total = metrics.combine(self._carried, now)
         total["failed"] = {"error": total.get("failed", 0), "engine_crash": self._cut}
         return total

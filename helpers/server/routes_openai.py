@@ -50,7 +50,7 @@ def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
             # answer, and so does the token, if any of it is there.
             if stop_at > start:
                 kept.append((len(text), token))
-            return text + piece[:stop_at - start], kept
+            return text + piece[:max(0, stop_at - start)], kept
         kept.append((len(text), token))
         text += piece
     return text, kept
