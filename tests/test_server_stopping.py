@@ -154,10 +154,16 @@ def refusal(*flags) -> str:
     """Run the server with ``flags``: it must exit with status 2, saying one ``error:`` line,
     before the model loads, and leave no process behind; that line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if "--port" not in flags:            # not the default 8080, which anything may hold
+        flags = (*flags, "--port", "0")
     process = subprocess.Popen([sys.executable, "-m", "helpers.server", *flags], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:                             # a server that did not refuse: nothing left behind
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 2, stderr
     assert "loading the model" not in stderr and "Traceback" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if "error:" in line]
