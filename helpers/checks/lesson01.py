@@ -153,7 +153,7 @@ def _greedy_cases(model, tokenizer):
                 # what is checked, as it is (no conversion here).
                 got = expect_int_list("greedy_with_cache's answer", got)
                 if got == expected:
-                    if len(calls) > n:
+                    if len(calls) > max(n, 1):      # n_tokens=0 may run the prefill or not
                         raise Hint(f"the right tokens, but the model ran {len(calls)} time(s) for "
                                    f"{n} token(s): every call gives one token (the prefill gives "
                                    f"the first), so {n} call(s) are enough")
@@ -204,7 +204,7 @@ def check_greedy_with_cache(learner_greedy_with_cache, model, tokenizer):
     one line and return the function the rest of the lesson should use."""
     return run_check("greedy_with_cache", learner_greedy_with_cache,
                      _greedy_cases(model, tokenizer), fallback=greedy_with_cache,
-                     causes=GREEDY_CAUSES)
+                     causes=GREEDY_CAUSES, gpu=model)
 
 
 # ---- kv_cache_bytes_for ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..batching import cache_layers
 from ..generation import generate_with_cache
 from ..speculative import PromptLookupProposer, verify_greedy
 from .core import Hint, expect_close, expect_equal, expect_number, expect_unchanged, run_check
+from .lesson01 import recording
 
 __all__ = ["check_expected_tokens", "check_lookup", "check_verify", "course_expected_tokens",
            "course_lookup"]
@@ -74,7 +75,8 @@ def _verify_cases(model, tokenizer):
                 ref_cache, cache = _prefill(model, cached), _prefill(model, cached)
                 expected = verify_greedy(model, ref_cache, list(unread), list(guesses))
                 given_unread, given_guesses = list(unread), list(guesses)
-                got = learner(model, cache, given_unread, given_guesses)
+                with recording(model) as calls:
+                    got = learner(model, cache, given_unread, given_guesses)
                 expect_unchanged("unread", list(unread), given_unread)
                 expect_unchanged("guesses", list(guesses), given_guesses)
                 if isinstance(got, torch.Tensor):
@@ -124,6 +126,13 @@ def _verify_cases(model, tokenizer):
                         raise Hint(f"the cache has the right length but other keys in layer "
                                    f"{layer}: feed the unread tokens and the guesses in one pass "
                                    f"with past_key_values=cache, and crop from the end")
+                if len(calls) > 1:
+                    fed = [c["input_ids"].shape[-1] for c in calls
+                           if isinstance(c["input_ids"], torch.Tensor)]
+                    raise Hint(f"the right tokens and cache, but the model ran {len(calls)} "
+                               f"passes (fed {fed} tokens) where one is enough: feed the unread "
+                               f"tokens and every guess together, in a single pass; that one "
+                               f"pass for k guesses is what makes speculative decoding pay")
     return checker
 
 
@@ -144,7 +153,7 @@ def check_verify(learner_verify, model, tokenizer):
     all guesses right, a rejection at the first and at the third guess, no guesses, and the
     first pass; print one line and return the function the rest of the lesson should use."""
     return run_check("verify", learner_verify, _verify_cases(model, tokenizer),
-                     fallback=verify_greedy, causes=VERIFY_CAUSES)
+                     fallback=verify_greedy, causes=VERIFY_CAUSES, gpu=model)
 
 
 # ---- lookup (prompt lookup) ---------------------------------------------------------------
@@ -156,11 +165,12 @@ def course_lookup(ids, k, max_ngram=3):
 
 
 def _lookup_variant(ids, k, max_ngram, latest=True, longest_first=True, skip_tail=True,
-                    after_match=True):
+                    after_match=True, overlap=True):
     sizes = range(min(max_ngram, len(ids) - 1), 0, -1)
     for n in (sizes if longest_first else reversed(sizes)):
         tail = ids[-n:]
-        starts = range(len(ids) - n - (1 if skip_tail else 0), -1, -1)
+        last = len(ids) - n - (1 if skip_tail else 0) if overlap else len(ids) - 2 * n
+        starts = range(last, -1, -1)
         for start in (starts if latest else reversed(starts)):
             if ids[start:start + n] == tail:
                 first = start + n if after_match else start
@@ -177,6 +187,9 @@ LOOKUP_MISTAKES = [
                             "before the tail, at len(ids) - n - 1"),
     (dict(after_match=False), "the guesses are the tokens after the match, not the match itself: "
                               "ids[start + n:start + n + k]"),
+    (dict(overlap=False), "an earlier occurrence of the tail may overlap the tail itself (a "
+                          "token or a phrase repeated): try every start before the tail's, up to "
+                          "len(ids) - n - 1, not only the text before the tail (ids[:-n])"),
 ]
 
 
@@ -188,7 +201,7 @@ def _lookup_cases(learner, cases):
         ("a 2-gram match, a 1-gram elsewhere", [5, 6, 9, 1, 6, 2, 5, 6], 2, 3),
         ("a 3-gram and a 1-gram match", repeat, 2, 3),
         ("fewer than k tokens after the match", [3, 1, 2, 3], 4, 3),
-        ("a repeated token", [7, 7], 3, 3),
+        ("a repeated token: the match overlaps the tail", [7, 7, 7, 7], 3, 3),
         ("no match", [1, 2, 3, 4], 4, 3),
         ("a single token", [9], 2, 3),
         ("max_ngram=1", repeat, 2, 1),
