@@ -330,7 +330,7 @@ ON_A_GPU = {greedy_feeding_a_new_tensor_each_step: "a tensor made on the CPU met
 EXERCISES = [
     Exercise("greedy_with_cache", check_greedy_with_cache, ("model", "tokenizer"),
              greedy_with_cache,
-             right=[course_greedy_with_cache, greedy_growing_a_tensor, prefill_then_the_loop],
+             right=[course_greedy_with_cache, prefill_then_the_loop, greedy_growing_a_tensor],
              wrong={**GREEDY_MISTAKES, **ON_A_GPU,
                     greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("kv_cache_bytes_for", check_kv_cache_bytes_for, ("model", "tokenizer"),

@@ -364,14 +364,13 @@ class OnTheGpu(TorchFunctionMode):
             if big_host and big_device:
                 raise Hint(f"on a GPU, {name}() would fail: {DEVICES_MET}")
         result = func(*args, **kwargs)
-        if name == "cpu":
-            _mark(result, True)
-        elif name == "cuda":
-            _mark(result, False)
-        elif name == "to" and _target(args, kwargs) is not None:
-            target = _target(args, kwargs)
-            _mark(result, target == "host" or (isinstance(target, torch.Tensor)
-                                               and made_on_host(target)))
+        if name in ("cpu", "cuda") or (name == "to" and _target(args, kwargs) is not None):
+            target = "host" if name == "cpu" else "device" if name == "cuda" else _target(
+                args, kwargs)
+            host = target == "host" or (isinstance(target, torch.Tensor) and made_on_host(target))
+            if result is args[0] and host != made_on_host(result):
+                result = result.view_as(result)     # a copy on a GPU: leave the original be
+            _mark(result, host)
         elif name == "__getitem__":
             _mark(result, bool(args) and made_on_host(args[0]))
         elif host and len(host) == len(tensors):

@@ -111,8 +111,8 @@ def _diagnose_padding(got_ids, got_mask, want_ids, want_mask, pad_id) -> None:
 
 def check_left_pad(learner_left_pad, tokenizer):
     """Lesson 02: check the learner's ``left_pad(token_lists, pad_id)`` against the course's on
-    the lesson's prompts, prompts of one length, a single prompt, a one-token prompt and another
-    pad id; print one line and return the function the rest of the lesson should use."""
+    the lesson's prompts, prompts of one length, a single prompt, a one-token prompt beside one
+    that holds the pad token in its own text, and another pad id; print one line and return the function the rest of the lesson should use."""
     return run_check("left_pad", learner_left_pad, _left_pad_cases(tokenizer), fallback=left_pad)
 
 
@@ -355,9 +355,10 @@ BATCHED_CAUSES = {
 
 def check_batched_greedy(learner_batched_greedy, model, tokenizer):
     """Lesson 02: check the learner's ``batched_greedy(model, tokenizer, prompts, n_tokens)``
-    against the course's on the lesson's prompts, one token, a single prompt and a long beside a
-    short prompt, comparing the texts and what every call fed the model (tokens, attention mask,
-    position ids, cache); print one line and return the function the rest of the lesson should
+    against the course's on the lesson's prompts, one token, a single prompt and a long prompt
+    that holds the pad token beside a short one, comparing the texts and what every call fed the
+    model (tokens, attention mask and its dtype, position ids, cache, none of them made on the
+    CPU where the model stands for a GPU's); print one line and return the function the rest of the lesson should
     use."""
     return run_check("batched_greedy", learner_batched_greedy, _batched_cases(model, tokenizer),
                      fallback=batched_greedy, causes=BATCHED_CAUSES, gpu=model)

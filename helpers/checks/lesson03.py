@@ -3,8 +3,9 @@
 Each case builds real batches with the course's ``init_batch`` and ``generate_next_token`` on
 the lesson's model (and on a tiny Llama-style model whose 4 attention heads share 2 kv heads),
 runs the learner's function and the course's on copies of the same batches, and compares every
-list, every tensor (values, dtype and device) and every layer of the KV cache. ``merge_batches``
-also meets an empty batch on either side and two empty ones, as the lesson's loop does.
+list, every tensor (values, dtype and device) and every layer of the KV cache; the batches it
+was given must come back as they were. ``merge_batches`` also meets an empty batch on either
+side and two empty ones, as the lesson's loop does.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@ serving client.
 
 Neither check talks to a server: a check must be quick and give the same answer on every run,
 and a real server's timings change from run to run. So ``time_stream`` gets a scripted stream
-of lorax-client-like events and a fake clock that moves only when the stream says so (the
-request being sent, the prefill, each decode step): the expected TTFT and gaps are known
-exactly. ``generate_all`` gets a fake ``AsyncClient`` whose answers come back in the reverse of
-the order they were sent, and which notes how many requests were in flight at once: all of them
-must be. Reading an event's token moves the fake clock a microsecond, so a stamp taken after
-the loop's work shows. The times must be numbers, the text a string: the lesson then uses both
+of lorax-client-like events and a fake clock that moves when the stream says so (the request
+being sent, the prefill, each decode step): the expected TTFT and gaps are known exactly.
+Reading an event's token moves the fake clock a microsecond, and so does reading the clock, so
+a stamp taken after the loop's work, or a second reading for one event, shows. One stream
+starts with a special token, which the TTFT counts like any other. ``generate_all`` gets a fake
+``AsyncClient`` whose answers come back in the reverse of the order they were sent, and which
+notes how many requests were in flight at once: all of them must be; the request dicts must
+come back as they were given. The times must be numbers, the text a string: the lesson then uses both
 functions against the running server.
 
 ``time_stream_reference`` and ``generate_all_reference`` are the course's versions: what the
@@ -294,8 +296,8 @@ def _real_clock(ttft) -> bool:
 
 def check_time_stream(learner_time_stream):
     """Lesson 07: check the learner's ``time_stream(send, clock)`` on scripted streams with a
-    fake clock (a stream with a special token, an answer of one token, a long queue): the TTFT
-    from calling ``send()`` to the first token, the gaps between consecutive tokens, the text
+    fake clock (a stream with a special token, an answer of one token, a long queue before a
+    special first token): the TTFT from calling ``send()`` to the first token, the gaps between consecutive tokens, the text
     without special tokens. Print one line; return the function the lesson should use."""
     return run_check("time_stream", learner_time_stream, _time_stream_checker,
                      fallback=time_stream_reference, causes=CLOCK_CAUSES)

@@ -4,7 +4,8 @@
 course's ``helpers.speculative.verify_greedy`` on a cache of its own: guesses that are all
 right, wrong from the first one, wrong in the middle, no guesses at all, and the first pass
 (an empty cache and the whole prompt unread). The new tokens must be the same, and so must
-the cache afterwards (its length, then its keys). ``lookup`` is compared with
+the cache afterwards (its length, then its keys), and the model must run one pass.
+``lookup`` is compared with
 ``helpers.PromptLookupProposer`` on hand-made token lists, ``expected_tokens`` with the
 formula of the lesson's cost model (and must return a number). None of them may change the
 lists it is given.
@@ -196,40 +197,48 @@ LOOKUP_MISTAKES = [
 def _lookup_cases(learner, cases):
     repeat = [1, 2, 3, 9, 7, 3, 8, 1, 2, 3]
     scenarios = [
-        ("the last 3 tokens found earlier", [4, 5, 6, 7, 8, 1, 4, 5, 6], 3, 3),
-        ("two earlier occurrences", [5, 6, 1, 5, 6, 2, 5, 6], 4, 3),
-        ("a 2-gram match, a 1-gram elsewhere", [5, 6, 9, 1, 6, 2, 5, 6], 2, 3),
-        ("a 3-gram and a 1-gram match", repeat, 2, 3),
-        ("fewer than k tokens after the match", [3, 1, 2, 3], 4, 3),
-        ("a repeated token: the match overlaps the tail", [7, 7, 7, 7], 3, 3),
-        ("no match", [1, 2, 3, 4], 4, 3),
-        ("a single token", [9], 2, 3),
-        ("max_ngram=1", repeat, 2, 1),
+        ("the last 3 tokens found earlier", [[4, 5, 6, 7, 8, 1, 4, 5, 6]], 3, 3),
+        ("two earlier occurrences", [[5, 6, 1, 5, 6, 2, 5, 6]], 4, 3),
+        ("a 2-gram match, a 1-gram elsewhere", [[5, 6, 9, 1, 6, 2, 5, 6]], 2, 3),
+        ("a 3-gram and a 1-gram match", [repeat], 2, 3),
+        ("fewer than k tokens after the match", [[3, 1, 2, 3]], 4, 3),
+        ("a repeated token, the match overlapping the tail", [[7, 7], [7, 7, 7, 7]], 3, 3),
+        ("no match", [[1, 2, 3, 4]], 4, 3),
+        ("a single token", [[9]], 2, 3),
+        ("max_ngram=1", [repeat], 2, 1),
     ]
-    for label, ids, k, max_ngram in scenarios:
-        with cases(f"{label}: lookup({ids}, k={k}" + (f", max_ngram={max_ngram})" if max_ngram != 3 else ")")):
-            expected = course_lookup(ids, k, max_ngram)
-            given = list(ids)
-            got = learner(given, k) if max_ngram == 3 else learner(given, k, max_ngram)
-            expect_unchanged("ids", list(ids), given)
-            if not isinstance(got, list):
-                raise Hint(f"lookup should return a list of token ids, got {type(got).__name__}")
-            if got == expected:
-                continue
-            if len(got) > k:
-                raise Hint(f"got {len(got)} guesses, at most k = {k} expected")
-            if max_ngram != 3 and got == _lookup_variant(ids, k, 3):
-                raise Hint(f"got {got}, expected {expected}: use n-grams of at most max_ngram "
-                           f"tokens (here {max_ngram})")
-            for mistake, hint in LOOKUP_MISTAKES:
-                if got == _lookup_variant(ids, k, max_ngram, **mistake):
-                    raise Hint(f"got {got}, expected {expected}: {hint}")
-            expect_equal("the guesses", got, expected)
+    for label, lists, k, max_ngram in scenarios:
+        calls = " and ".join(f"lookup({ids}, k={k}" + (f", max_ngram={max_ngram})"
+                                                       if max_ngram != 3 else ")")
+                             for ids in lists)
+        with cases(f"{label}: {calls}"):
+            for ids in lists:
+                _expect_lookup(learner, ids, k, max_ngram)
+
+
+def _expect_lookup(learner, ids, k, max_ngram) -> None:
+    expected = course_lookup(ids, k, max_ngram)
+    given = list(ids)
+    got = learner(given, k) if max_ngram == 3 else learner(given, k, max_ngram)
+    expect_unchanged("ids", list(ids), given)
+    if not isinstance(got, list):
+        raise Hint(f"lookup should return a list of token ids, got {type(got).__name__}")
+    if got == expected:
+        return
+    if len(got) > k:
+        raise Hint(f"got {len(got)} guesses, at most k = {k} expected")
+    if max_ngram != 3 and got == _lookup_variant(ids, k, 3):
+        raise Hint(f"got {got}, expected {expected}: use n-grams of at most max_ngram "
+                   f"tokens (here {max_ngram})")
+    for mistake, hint in LOOKUP_MISTAKES:
+        if got == _lookup_variant(ids, k, max_ngram, **mistake):
+            raise Hint(f"got {got}, expected {expected}: {hint}")
+    expect_equal("the guesses", got, expected)
 
 
 def check_lookup(learner_lookup):
     """Lesson 09: check the learner's ``lookup(ids, k, max_ngram=3)`` (n-gram prompt lookup)
-    against ``helpers.PromptLookupProposer`` on eight token lists; print one line and return
+    against ``helpers.PromptLookupProposer`` on ten token lists; print one line and return
     the function the rest of the lesson should use."""
     return run_check("lookup", learner_lookup, _lookup_cases, fallback=course_lookup)
 

@@ -449,8 +449,8 @@ def _replay_cases(learner, cases):
 
 def check_replay(learner_replay):
     """Lesson 10: check the learner's ``replay(graphs, token, position, pad_token_id)`` (the
-    copy-in, the choice of graph, the replay, the batch's rows) on stand-in graphs that notice
-    a buffer replaced instead of filled; print one line and return the function the rest of
+    copy-in with its padding rows, the choice of graph, the replay, the batch's rows) on
+    stand-in graphs that notice a buffer replaced instead of filled; print one line and return the function the rest of
     the lesson should use."""
     from ..compilation import replay_step
 
