@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = {
     "made on the CPU or in another dtype": {**l01.ON_A_GPU, **l02.ON_A_GPU, **l06.ON_A_GPU,
                                             **l09.ON_A_GPU},
-    "an input changed in place": {**l03.IN_PLACE, **l07.IN_PLACE},
+    "an input changed in place": {**l01.IN_PLACE, **l03.IN_PLACE, **l07.IN_PLACE},
     "more model passes than promised": l09.COSTS,
     "a case the text names": {**l02.NAMED_CASES, **l09.NAMED_CASES},
     "timing measured from the wrong moment": l07.TIMING,

@@ -324,7 +324,17 @@ def greedy_feeding_a_new_tensor_each_step(model, tokenizer, prompt, n_tokens):
     return new
 
 
+def bytes_filling_in_the_config(config, seq_len, batch=1, bytes_per_value=2):
+    if getattr(config, "num_key_value_heads", None) is None:      # GPT-2 has none: set it
+        config.num_key_value_heads = config.num_attention_heads   # on the model's own config
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    width = config.num_key_value_heads * config.head_dim
+    return 2 * bytes_per_value * config.num_hidden_layers * width * seq_len * batch
+
+
 ON_A_GPU = {greedy_feeding_a_new_tensor_each_step: "a tensor made on the CPU met one on the GPU"}
+IN_PLACE = {bytes_filling_in_the_config: "changed its input config in place"}
 
 
 EXERCISES = [
@@ -335,5 +345,5 @@ EXERCISES = [
                     greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("kv_cache_bytes_for", check_kv_cache_bytes_for, ("model", "tokenizer"),
              kv_cache_bytes_for, right=[course_kv_cache_bytes_for, bytes_with_head_dim_and_floats],
-             wrong=BYTES_MISTAKES),
+             wrong={**BYTES_MISTAKES, **IN_PLACE}),
 ]

@@ -447,6 +447,10 @@ def first_change(before, after, where: str = "", depth: int = 0) -> str | None:
                 return found
         return None
     if hasattr(before, "__dict__") and not callable(before):
+        if vars(before).keys() != vars(after).keys():
+            gone = [k for k in vars(before) if k not in vars(after)]
+            return (f"{where}.{gone[0]} was deleted" if gone else
+                    f"{where} got a new attribute, {next(k for k in vars(after) if k not in vars(before))}")
         for key, value in vars(before).items():
             found = first_change(value, vars(after).get(key), f"{where}.{key}", depth + 1)
             if found:

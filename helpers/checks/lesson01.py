@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from ..generation import cache_nbytes, generate_with_cache, kv_cache_bytes_for
-from .core import Hint, expect_int_list, expect_number, run_check
+from .core import Hint, expect_int_list, expect_number, expect_unchanged, run_check, snapshot
 
 __all__ = ["check_greedy_with_cache", "check_kv_cache_bytes_for"]
 
@@ -272,7 +272,9 @@ def _bytes_cases(model, tokenizer):
         with cases(label):
             expected = kv_cache_bytes_for(config, seq_len=seq_len, batch=batch,
                                           bytes_per_value=nbytes)
+            before = snapshot(config)
             got = learner(config, seq_len=seq_len, batch=batch, bytes_per_value=nbytes)
+            expect_unchanged("config", before, config)     # the model reads it too
             _expect_size(got, expected, config, seq_len, batch, nbytes,
                          f"expected {expected:,.0f} bytes")
 
@@ -292,7 +294,9 @@ def _bytes_cases(model, tokenizer):
                 cache = model(**batch, use_cache=True).past_key_values
             seq_len, nbytes = batch["input_ids"].shape[1], model.dtype.itemsize
             real = cache_nbytes(cache)
+            before = snapshot(model.config)
             got = learner(model.config, seq_len=seq_len, batch=4, bytes_per_value=nbytes)
+            expect_unchanged("config", before, model.config)
             _expect_size(got, real, model.config, seq_len, 4, nbytes,
                          f"the real cache holds {real:,} bytes")
         with cases("the defaults: batch=1, bytes_per_value=2"):

@@ -308,8 +308,9 @@ def _batched_cases(model, tokenizer):
                 try:
                     with recording(model) as calls, redirect_stdout(printed):
                         try:
-                            got = (learner(model, tokenizer, list(prompts), n, verbose=True)
-                                   if verbose else learner(model, tokenizer, list(prompts), n))
+                            given = list(prompts)
+                            got = (learner(model, tokenizer, given, n, verbose=True)
+                                   if verbose else learner(model, tokenizer, given, n))
                         except (NotImplementedError, Hint):
                             raise
                         except Exception:
@@ -318,6 +319,7 @@ def _batched_cases(model, tokenizer):
                 finally:
                     tokenizer.padding_side = side
                 _diagnose_calls(calls, reference, tokenizer.pad_token_id)
+                expect_unchanged("prompts", list(prompts), given)
                 lines = [line for line in printed.getvalue().splitlines() if line.strip()]
                 if verbose and len(lines) < n:
                     raise Hint(f"with verbose=True it printed {len(lines)} line(s) for {n} "

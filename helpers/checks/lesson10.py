@@ -387,7 +387,8 @@ def _replay_cases(learner, cases):
             before = token.clone()
             graphs, reference = _recorded_graphs(), _recorded_graphs()
             expected = replay_step(reference, token, torch.tensor([position]), pad)
-            got = learner(graphs, token, torch.tensor([position]), pad)
+            given_position = torch.tensor([position])
+            got = learner(graphs, token, given_position, pad)
             size = capture_size(batch, list(graphs))
             if any(g.moved() for g in graphs.values()):
                 raise Hint("a graph reads the memory it recorded: copy into its buffers "
@@ -406,6 +407,7 @@ def _replay_cases(learner, cases):
             if not torch.equal(token, before):
                 raise Hint("replay changed the token tensor it was given: copy it into the "
                            "graph's buffer, do not write into it")
+            expect_unchanged("position", torch.tensor([position]), given_position)
             if not isinstance(got, torch.Tensor):
                 raise Hint(f"replay should return a tensor (the graph's output rows), got "
                            f"{type(got).__name__}")

@@ -24,7 +24,7 @@ import torch
 from ..sharding import (LeftWaiting, ShardedMLP, ThreadGroup, embed_vocab_shard, run_in_threads,
                         split_columns, split_qkv, split_rows, vocab_shard)
 from .core import (Hint, OnTheGpu, dtype_name, expect_device, expect_kind, expect_shape,
-                   run_check)
+                   expect_unchanged, run_check)
 
 __all__ = ["check_embed_vocab_shard", "check_sharded_mlp", "check_split_qkv"]
 
@@ -189,10 +189,12 @@ def _run_mlp(cls, mlp, x, world_size, act, step):
     rank."""
     def rank_forward(rank, comm):
         layer = cls(*_mlp_shards(mlp, rank, world_size), act, comm)
+        given = x.clone()
         with OnTheGpu():                      # x stands for a GPU's activations
-            out = layer(x.clone())
+            out = layer(given)
             calls = comm.counts().calls
             again = layer(step.clone())
+        expect_unchanged("x", x, given)           # the residual stream adds it back
         return out, calls, again, comm.counts().calls - calls
 
     return _on_every_rank(world_size, rank_forward,
@@ -314,8 +316,9 @@ def check_sharded_mlp(learner_sharded_mlp, model):
 def _run_embedding(learner, ids, shards):
     def one(rank, comm):
         weight, start = shards[rank]
-        given = ids.clone()
-        out = learner(given, weight.clone(), start, comm)
+        given, given_weight = ids.clone(), weight.clone()
+        out = learner(given, given_weight, start, comm)
+        expect_unchanged("weight_shard", weight, given_weight)    # the model's own rows
         return out, comm.counts().calls, torch.equal(given, ids)
 
     return _on_every_rank(len(shards), one,
