@@ -18,7 +18,7 @@ nothing the lesson relies on, or missed: a hole in the check. The results go to
 ``docs/check-mutations.json`` (what each mutant did, with a fingerprint of what the results
 depend on: the solution, the check's module, the mutator) and the report to
 ``docs/check-mutations.md``. ``tests/test_check_mutations.py`` checks that both are current and
-reruns a few mutants. A full run takes 10 to 15 minutes on a 2-core laptop.
+reruns a few mutants. A full run takes a few minutes (2 to 4 on a busy 2-core machine).
 """
 
 from __future__ import annotations

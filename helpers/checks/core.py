@@ -390,8 +390,8 @@ def on_the_gpu(function, gpu=True):
 
 def host_hint(what: str) -> str:
     """The sentence for a result made on the CPU in a case that stands for a GPU."""
-    return (f"{what} was {MADE_ON_THE_CPU}, where the inputs stand for tensors on the GPU: make "
-            f"every new tensor on the inputs' device (device=x.device, x.new_zeros(...), "
+    return (f"{what}: a tensor {MADE_ON_THE_CPU}, where the inputs stand for tensors on the "
+            f"GPU: make every new tensor on the inputs' device (device=x.device, x.new_zeros(...), "
             f"torch.zeros_like(x)) or move it with .to(x.device)")
 
 
@@ -449,8 +449,9 @@ def first_change(before, after, where: str = "", depth: int = 0) -> str | None:
     if hasattr(before, "__dict__") and not callable(before):
         if vars(before).keys() != vars(after).keys():
             gone = [k for k in vars(before) if k not in vars(after)]
-            return (f"{where}.{gone[0]} was deleted" if gone else
-                    f"{where} got a new attribute, {next(k for k in vars(after) if k not in vars(before))}")
+            new = [k for k in vars(after) if k not in vars(before)]
+            return (f"{where}.{gone[0]} was deleted" if gone
+                    else f"{where} got a new attribute, {new[0]}")
         for key, value in vars(before).items():
             found = first_change(value, vars(after).get(key), f"{where}.{key}", depth + 1)
             if found:

@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..quantization import quantize
-from .core import (Hint, dtype_hint, expect_device, expect_like, expect_shape, expect_tensor,
+from .core import (Hint, expect_device, expect_like, expect_shape, expect_tensor,
                    expect_unchanged, run_check)
 
 __all__ = ["check_quantize_tensor", "check_dequantize_tensor", "check_quantize_channels",
