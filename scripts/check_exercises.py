@@ -36,8 +36,6 @@ class Exercise:
         return f"lesson{self.lesson}"
 
 
-CPU_ONLY = ("the bundled model runs on the CPU here, where every tensor already is; on a GPU the "
-            "check, run on the lesson's device, flags a tensor left on the CPU")
 INDEPENDENT = "independent statements: neither reads or changes what the other writes"
 USE_CACHE = ("use_cache defaults to True in the model's config, so the call returns (and fills) "
              "the cache all the same")
@@ -47,8 +45,6 @@ LAST_DIM = "the tensor has two dimensions here, so dim=1 is dim=-1"
 EXERCISES = [
     Exercise("01", "greedy_with_cache", "check_greedy_with_cache", ("model", "tokenizer"),
              setup="import torch", harmless={
-                 "call dropped: `tokenizer(prompt, return_tensors='pt').input_ids.to(model.d…` -> "
-                 "`tokenizer(prompt, return_tensors='pt').input_ids`": CPU_ONLY,
                  "keyword dropped: `model(input_ids=step_input, past_key_values=past, use_cache…` "
                  "-> `model(input_ids=step_input, past_key_values=past)`": USE_CACHE,
                  "off by one: `0` -> `-1`": ONE_ROW,
@@ -81,8 +77,6 @@ EXERCISES = [
              }),
     Exercise("02", "batched_greedy", "check_batched_greedy", ("model", "tokenizer"),
              setup="import torch\nfrom helpers import position_ids_from_mask", harmless={
-                 "call dropped: `tokenizer(prompts, padding=True, return_tensors='pt').to(mo…` -> "
-                 "`tokenizer(prompts, padding=True, return_tensors='pt')`": CPU_ONLY,
                  "keyword dropped: `model(input_ids=ids, attention_mask=mask, position_ids=posi…` -> "
                  "`model(input_ids=ids, attention_mask=mask, position_ids=posi…` (#2)": USE_CACHE,
                  "sign or not dropped: `-1` -> `1` (#2)": LAST_DIM + " (the last position's "
@@ -140,6 +134,10 @@ EXERCISES = [
                  "off by one: `0` -> `-1` (#4)": "the codes are never below 0 (t >= min gives "
                  "round(t / scale) >= -zero_point, rounding being symmetric), so the clamp's "
                  "lower end never acts",
+                 "made without the input's device: `torch.ones_like(scale)` -> "
+                 "`torch.ones(scale.shape)`": "the scale is a 0-d tensor, and a 0-d tensor on "
+                 "the CPU meets tensors on a GPU as a number does (PyTorch allows it): the codes "
+                 "and the dequantization come out the same on any device",
              }),
     Exercise("04", "dequantize_tensor", "check_dequantize_tensor", ("model",),
              setup="import torch"),
@@ -195,8 +193,6 @@ EXERCISES = [
              }),
     Exercise("09", "verify", "check_verify", ("model", "tokenizer"), setup="import torch",
              harmless={
-                 "keyword dropped: `torch.tensor([unread + guesses], device=model.device)` -> "
-                 "`torch.tensor([unread + guesses])`": CPU_ONLY,
                  "keyword dropped: `model(input_ids=ids, past_key_values=cache, use_cache=True)` -> "
                  "`model(input_ids=ids, past_key_values=cache)`": USE_CACHE,
                  "boolean: `True` -> `False`": "transformers fills the DynamicCache it is given "
@@ -232,6 +228,9 @@ EXERCISES = [
                  "statements swapped: `graph.token.copy_(pad_batch(token, graph.size, pad_token_id…` "
                  "-> `graph.position.copy_(position) / graph.token.copy_(pad_batc…`":
                      INDEPENDENT + " (both copies land before the replay)",
+                 "copy dropped: `list(graphs)` -> `graphs`": "capture_size only iterates over the "
+                 "sizes it is given, and a dict iterates over its keys, the graphs' sizes; "
+                 "nothing changes the dict",
              }),
     Exercise("11", "split_qkv", "check_split_qkv", ("model",), setup="import torch", harmless={
         "statements swapped: `if num_heads % world_size: / hidden = weight.shape[1] // 3` -> "

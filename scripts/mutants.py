@@ -8,9 +8,12 @@
 Each mutant changes one thing in the lines given (an exercise's solution, between its markers)
 the way a slip would: a comparison's operator, an arithmetic operator, a number off by one, the
 operands of a product or the items of a list swapped, a product regrouped ((x @ A) @ B as
-x @ (A @ B): the same numbers at another cost), a dimension or a dtype changed, a keyword
-argument or a method call dropped, a function swapped for its opposite (min/max, any/all,
-cat/stack, floor/ceil, ...), a statement dropped, two statements swapped. ``key`` names the
+x @ (A @ B): the same numbers at another cost), a dimension or a dtype changed (an integer one
+made float), a keyword argument (``device=`` too) or a method call dropped, a copy dropped
+(``list(x)``, ``.clone()``: the input itself changed afterwards), a tensor made without the
+input's device (``x.new_zeros(s)`` as ``torch.zeros(s)``), a function swapped for its opposite
+(min/max, any/all, cat/stack, floor/ceil, ...), a statement dropped, two statements swapped, a
+model pass, graph replay or all-reduce repeated (a loop where one call was). ``key`` names the
 change in words and code (``compare: \`n < len(guesses)\` -> \`n <= len(guesses)\```) and does
 not depend on line numbers, so that a list of mutants known to be harmless survives edits
 elsewhere in the lesson. Mutants that come out the same as the source are left out.
@@ -40,6 +43,16 @@ OPPOSITES = {"min": "max", "max": "min", "amin": "amax", "amax": "amin", "any": 
 #: dtypes swapped for a neighbour.
 DTYPES = {"long": "int32", "int64": "int32", "int32": "int64", "int": "int64", "uint8": "int8",
           "float": "float64", "float32": "float64", "float64": "float32", "bool": "uint8"}
+#: Integer and boolean dtypes, made floats (a mask or ids built with torch.zeros/ones' default).
+TO_FLOAT = {"long", "int64", "int32", "int", "uint8", "bool"}
+#: Tensors made on the input's device, made without it: ``x.new_zeros(s)`` -> ``torch.zeros(s)``.
+NEW_ON_DEVICE = {"new_zeros": "zeros", "new_ones": "ones", "new_full": "full",
+                 "new_empty": "empty", "new_tensor": "tensor"}
+LIKE = {"zeros_like": "zeros", "ones_like": "ones", "full_like": "full", "empty_like": "empty"}
+#: Calls that make a copy, so that the caller's object is left as it was.
+COPIES = {"list", "dict", "copy", "deepcopy", "clone"}
+#: Calls whose count a lesson promises (a model pass, a graph replay, an all-reduce).
+COUNTED = {"model", "replay", "all_reduce"}
 #: Method calls that return their receiver changed; dropping one keeps the receiver as it was.
 PASS_THROUGH = {"float", "long", "int", "double", "to", "clamp", "round", "detach", "clone",
                 "contiguous", "tolist", "item", "squeeze", "unsqueeze", "flatten", "view",
@@ -198,9 +211,33 @@ def _sites(tree, lines: set[int]) -> Iterator[tuple[tuple, str, object]]:
                         new.func.id = OPPOSITES[name]
                     return new
                 yield path, "function swapped", make
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if isinstance(func, ast.Attribute) and name in NEW_ON_DEVICE:
+                def make(n=node, name=name):           # x.new_zeros(s) -> torch.zeros(s)
+                    new = copy.deepcopy(n)
+                    new.func = ast.Attribute(ast.Name("torch", ast.Load()), NEW_ON_DEVICE[name],
+                                             ast.Load())
+                    return new
+                yield path, "made without the input's device", make
+            if name in LIKE and len(node.args) >= 1:
+                def make(n=node, name=name):           # torch.zeros_like(x) -> torch.zeros(x.shape)
+                    new = copy.deepcopy(n)
+                    new.func = ast.Attribute(ast.Name("torch", ast.Load()), LIKE[name], ast.Load())
+                    new.args[0] = ast.Attribute(new.args[0], "shape", ast.Load())
+                    return new
+                yield path, "made without the input's device", make
+            if name in COPIES and len(node.args) == 1 and not node.keywords \
+                    and not isinstance(node.args[0], ast.Starred):
+                yield path, "copy dropped", (lambda n=node: copy.deepcopy(n.args[0]))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "torch" and node.attr in DTYPES:
             yield path, "dtype", (lambda n=node: ast.Attribute(n.value, DTYPES[n.attr], ast.Load()))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "torch" and node.attr in TO_FLOAT:
+            yield path, "dtype made float", (lambda n=node: ast.Attribute(n.value, "float32",
+                                                                          ast.Load()))
         if isinstance(node, ast.Attribute) and node.attr == "T":
             yield path, "transpose dropped", (lambda n=node: copy.deepcopy(n.value))
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
@@ -223,9 +260,31 @@ def _sites(tree, lines: set[int]) -> Iterator[tuple[tuple, str, object]]:
                 if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
                     continue
                 yield path + ((field, i),), "statement dropped", (lambda: ast.Pass())
+                if _counted_call(stmt):                 # a loop where one call was
+                    yield (path + ((field, i),), "call repeated", (lambda s=stmt: _twice(s)))
                 if i + 1 < len(block) and getattr(block[i + 1], "lineno", None) in lines:
                     yield (path + ((field, i),), "statements swapped",
                            ("swap", path + ((field, i),), path + ((field, i + 1),)))
+
+
+def _twice(stmt):
+    """``for _ in range(2): stmt``."""
+    loop = ast.parse("for _ in range(2):\n    pass").body[0]
+    loop.body = [copy.deepcopy(stmt)]
+    return loop
+
+
+def _counted_call(stmt) -> bool:
+    """Whether a statement (an assignment or a bare call) calls one of COUNTED."""
+    if not isinstance(stmt, (ast.Assign, ast.Expr, ast.AugAssign)):
+        return False
+    for node in ast.walk(stmt.value):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in COUNTED:
+                return True
+    return False
 
 
 def mutants(source: str, lines) -> list[Mutant]:

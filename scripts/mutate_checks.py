@@ -9,7 +9,7 @@ For every exercise of the registry (``scripts/check_exercises.py``), it takes th
 of the lesson (the lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` of the cell
 that defines the exercise's function or class), makes every mutant of it (``scripts/mutants.py``:
 a comparison, an operator, a number off by one, swapped operands, a dtype, a dropped keyword,
-call or statement, ...), runs the exercise's check on each mutant, on the bundled model on the
+call, copy or statement, a tensor made without the input's device, a model pass repeated, ...), runs the exercise's check on each mutant, on the bundled model on the
 CPU, and records whether the check flagged it (✗), passed it (✓), or never returned (a mutant
 that loops forever, stopped after a time limit: the learner sees a cell that never ends).
 
@@ -18,7 +18,7 @@ nothing the lesson relies on, or missed: a hole in the check. The results go to
 ``docs/check-mutations.json`` (what each mutant did, with a fingerprint of what the results
 depend on: the solution, the check's module, the mutator) and the report to
 ``docs/check-mutations.md``. ``tests/test_check_mutations.py`` checks that both are current and
-reruns a few mutants. A full run takes 10 to 15 minutes on a 2-core laptop.
+reruns a few mutants. A full run takes a few minutes (2 to 4 on a busy 2-core machine).
 """
 
 from __future__ import annotations
@@ -236,17 +236,18 @@ def render(results: dict) -> str:
         "Written by `python scripts/mutate_checks.py` (do not edit by hand). For every "
         "exercise, the lesson's solution is changed one slip at a time (`scripts/mutants.py`: "
         "comparison and arithmetic operators, numbers off by one, swapped operands, items and "
-        "arguments, dtypes, dropped keywords, calls and statements, swapped statements, "
-        "functions swapped for their opposite), and the exercise's check runs on each mutant "
+        "arguments, dtypes (integers made floats too), dropped keywords, calls, copies and "
+        "statements, tensors made without the input's device, swapped statements, functions "
+        "swapped for their opposite, a model pass, replay or all-reduce repeated), and the exercise's check runs on each mutant "
         "on the bundled model on the CPU. A mutant is *caught* when the check prints ✗; it "
         "*never ends* when it loops forever (stopped after "
         f"{TIME_LIMIT} s); it is *harmless* when the check passes it and it changes nothing "
         "the lesson relies on (each with its reason, from `scripts/check_exercises.py`); "
         "*missed* otherwise. Mutants Python refuses to run are not counted.",
         "",
-        "Mutants that only move a tensor to another device are harmless here, on the CPU, "
-        "where every device is the same; on a GPU the checks compare devices (see each "
-        "reason).",
+        "The cases that stand for a GPU run the mutant as if its inputs were on one "
+        "(`helpers.checks.core.OnTheGpu`), so a tensor made or left on the CPU is caught on "
+        "the CPU as well.",
         "",
     ]
     return "\n".join(head + table) + "\n\n" + "\n\n".join(sections) + "\n"

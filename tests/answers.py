@@ -23,8 +23,8 @@ class Exercise:
     ``name`` is the name the lesson binds the learner's answer to (``greedy_with_cache``,
     ``LoraLayer``); ``args`` the names the check takes after the answer, as the lesson calls it
     (``("model", "tokenizer")``, ``("device",)``); ``right`` the answers that must pass;
-    ``wrong`` maps each wrong answer to the words its hint must hold; ``wrong_on_gpu`` the same
-    for answers that only a GPU shows wrong."""
+    ``wrong`` maps each wrong answer to the words its hint must hold (a tensor left on the CPU
+    included: the checks catch it on any device, ``helpers.checks.core.OnTheGpu``)."""
 
     name: str
     check: Callable
@@ -32,9 +32,6 @@ class Exercise:
     fallback: Any
     right: list = field(default_factory=list)
     wrong: dict = field(default_factory=dict)
-    #: Answers right on the CPU that a GPU shows wrong (a tensor made on the CPU): they pass
-    #: on the CPU (tested), and ``scripts/check_answers.py --device cuda`` wants them flagged.
-    wrong_on_gpu: dict = field(default_factory=dict)
 
 
 def lesson_module(lesson: str):
@@ -53,3 +50,8 @@ def answer(lesson: str, name: str, kind: str, index: int):
     """The ``index``-th ``kind`` ("right" or "wrong") answer of exercise ``name``."""
     found = exercise(lesson, name)
     return (found.right if kind == "right" else list(found.wrong))[index]
+
+
+def pick(answers: dict, *chosen) -> dict:
+    """The entries of ``answers`` (answer -> symptom) for the ``chosen`` answers only."""
+    return {answer: answers[answer] for answer in chosen}

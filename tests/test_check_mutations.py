@@ -2,7 +2,7 @@
 of the current solutions, checks and mutator, no mutant is missed, every harmless one has its
 reason, and a sample of mutants, run again, does what the results say.
 
-The full run is a script (10 to 15 minutes); here only its fingerprints are compared and one
+The full run is a script (a few minutes); here only its fingerprints are compared and one
 caught and one harmless mutant of every exercise are run again.
 """
 

@@ -2,11 +2,14 @@
 that name a dtype or a device difference, answers of another type refused, a device error named
 as such, and the counts of matrix products (the same as torch's own FlopCounterMode)."""
 
+import re
+
 import pytest
 import torch
 
-from helpers.checks.core import (DEVICES_MET, Hint, expect_int_list, expect_like, expect_number,
-                                 expect_tensor, expect_unchanged, run_check)
+from helpers.checks.core import (DEVICES_MET, Hint, OnTheGpu, expect_int_list, expect_like,
+                                 expect_number, expect_tensor, expect_unchanged, made_on_host,
+                                 run_check, snapshot)
 from helpers.checks.counting import CountCalls, flops
 from tests.checking import run
 
@@ -83,3 +86,43 @@ def test_calls_are_counted_and_grow_with_a_python_loop():
     with CountCalls() as looped:
         torch.stack([x[i].sum() for i in range(8)])
     assert once.calls == 1 and looped.calls == 17 and once.products == 0
+
+
+def test_a_case_that_stands_for_a_gpu_marks_what_is_made_on_the_cpu():
+    x = torch.ones(2, 3)                                # a tensor of the case: "on the GPU"
+    with OnTheGpu():
+        made = torch.zeros(2, 3)                        # no device=: on the CPU
+        moved = torch.zeros(2, 3).to(x.device)
+        kept = torch.zeros(2, 3, device=x.device)
+        like = torch.zeros_like(x) + x.new_ones(2, 3)
+        scalar = x * torch.tensor(2.0)                  # a 0-d CPU tensor may meet a GPU one
+        picked = x[torch.tensor([1, 0])]                # and index it
+        copied, doubled = x.cpu(), made * 2
+        with pytest.raises(Hint, match="a tensor made on the CPU met one on the GPU"):
+            torch.cat([x, made])
+    assert made_on_host(made) and made_on_host(doubled) and made_on_host(copied)
+    assert not any(made_on_host(t) for t in (x, moved, kept, like, scalar, picked))
+    with pytest.raises(Hint, match="make every new tensor on the inputs' device"):
+        expect_tensor("the result", made, torch.zeros(2, 3))
+
+
+def test_a_model_fed_a_tensor_made_on_the_cpu_is_named():
+    model = torch.nn.Embedding(10, 4)
+    with OnTheGpu(model):
+        model(torch.tensor([1, 2]).to(model.weight.device))
+        with pytest.raises(Hint, match="the model was fed input_ids made on the CPU"):
+            model(torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda v: v["ids"].append(4), "['ids'] went from 3 to 4 items"),
+    (lambda v: v.pop("mask"), "lost the key 'mask'"),
+    (lambda v: v["mask"].add_(1), "['mask'] holds other values"),
+])
+def test_an_input_changed_deep_inside_is_named(change, said):
+    given = {"ids": [1, 2, 3], "mask": torch.ones(3)}
+    before = snapshot(given)
+    expect_unchanged("request", before, given)
+    change(given)
+    with pytest.raises(Hint, match=re.escape(said)):
+        expect_unchanged("request", before, given)

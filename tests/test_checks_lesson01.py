@@ -298,13 +298,52 @@ def greedy_with_the_ids_left_on_the_cpu(model, tokenizer, prompt, n_tokens):
     return new
 
 
+def prefill_then_the_loop(model, tokenizer, prompt, n_tokens):
+    """Right: the prefill runs before the loop, even for n_tokens=0 (the text asks for the
+    tokens, not for no call at all there)."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    new = []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for _ in range(n_tokens):
+            token = out.logits[0, -1].argmax().view(1, 1)
+            new.append(int(token))
+            if len(new) < n_tokens:
+                out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return new
+
+
+def greedy_feeding_a_new_tensor_each_step(model, tokenizer, prompt, n_tokens):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    new, past, step_input = [], None, ids
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            new.append(int(out.logits[0, -1].argmax()))
+            past, step_input = out.past_key_values, torch.tensor([[new[-1]]])   # on the CPU
+    return new
+
+
+def bytes_filling_in_the_config(config, seq_len, batch=1, bytes_per_value=2):
+    if getattr(config, "num_key_value_heads", None) is None:      # GPT-2 has none: set it
+        config.num_key_value_heads = config.num_attention_heads   # on the model's own config
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    width = config.num_key_value_heads * config.head_dim
+    return 2 * bytes_per_value * config.num_hidden_layers * width * seq_len * batch
+
+
+ON_A_GPU = {greedy_feeding_a_new_tensor_each_step: "a tensor made on the CPU met one on the GPU"}
+IN_PLACE = {bytes_filling_in_the_config: "changed its input config in place"}
+
+
 EXERCISES = [
     Exercise("greedy_with_cache", check_greedy_with_cache, ("model", "tokenizer"),
-             greedy_with_cache, right=[course_greedy_with_cache, greedy_growing_a_tensor],
-             wrong=GREEDY_MISTAKES,
-             wrong_on_gpu={greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met "
-                                                                "one on the GPU"}),
+             greedy_with_cache,
+             right=[course_greedy_with_cache, prefill_then_the_loop, greedy_growing_a_tensor],
+             wrong={**GREEDY_MISTAKES, **ON_A_GPU,
+                    greedy_with_the_ids_left_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("kv_cache_bytes_for", check_kv_cache_bytes_for, ("model", "tokenizer"),
              kv_cache_bytes_for, right=[course_kv_cache_bytes_for, bytes_with_head_dim_and_floats],
-             wrong=BYTES_MISTAKES),
+             wrong={**BYTES_MISTAKES, **IN_PLACE}),
 ]

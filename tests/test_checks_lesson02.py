@@ -10,7 +10,7 @@ import torch
 from helpers import left_pad, position_ids_from_mask
 from helpers.checks import check_batched_greedy, check_left_pad, check_position_ids_from_mask
 from helpers.checks.lesson02 import batched_greedy
-from tests.answers import Exercise
+from tests.answers import Exercise, pick
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -212,7 +212,7 @@ def course_batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
 
 def _batched(model, tokenizer, prompts, n_tokens, verbose=False, *, side="left",
              pass_positions=True, pass_mask=True, grow_mask=True, step_positions=1,
-             use_cache=True):
+             use_cache=True, mask_by_value=False, ones=torch.ones_like):
     before = tokenizer.padding_side
     tokenizer.padding_side = side
     try:
@@ -220,6 +220,8 @@ def _batched(model, tokenizer, prompts, n_tokens, verbose=False, *, side="left",
     finally:
         tokenizer.padding_side = before
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    if mask_by_value:
+        mask = (ids != tokenizer.pad_token_id).long()
     positions = position_ids_from_mask(mask)
     past, new = None, []
     with torch.no_grad():
@@ -232,7 +234,7 @@ def _batched(model, tokenizer, prompts, n_tokens, verbose=False, *, side="left",
                 print("step:", [tokenizer.decode(t) for t in next_ids])
             new.append(next_ids)
             if grow_mask or not use_cache:
-                mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+                mask = torch.cat([mask, ones(next_ids)], dim=1)
             if use_cache:
                 past, ids = out.past_key_values, next_ids
                 positions = positions[:, -1:] + step_positions
@@ -369,16 +371,84 @@ def batched_with_the_batch_left_on_the_cpu(model, tokenizer, prompts, n_tokens, 
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
+# ---- what a GPU refuses, the pad token inside a prompt (the checks catch them on any device) --
+
+def positions_built_in_python(mask):
+    rows = []
+    for row in mask.tolist():
+        seen, positions = 0, []
+        for m in row:
+            positions.append(seen if m else 1)
+            seen += m
+        rows.append(positions)
+    return torch.tensor(rows)                  # on the CPU, wherever the mask is
+
+
+def batched_growing_the_mask_with_cpu_ones(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose,
+                    ones=lambda t: torch.ones(t.shape[0], 1, dtype=torch.long))
+
+
+def batched_with_a_float_mask(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose,
+                    ones=lambda t: torch.ones(t.shape, device=t.device))   # float32: the cat too
+
+
+def batched_masking_by_value(model, tokenizer, prompts, n, verbose=False):
+    return _batched(model, tokenizer, prompts, n, verbose, mask_by_value=True)
+
+
+def left_pad_masking_by_value(token_lists, pad_id):
+    ids = _pad(token_lists, pad_id)[0]
+    return ids, (ids != pad_id).long()
+
+
+def batched_with_the_encoding_moved(model, tokenizer, prompts, n_tokens, verbose=False):
+    """Right: BatchEncoding.to moves every tensor of the encoding."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt").to(model.device)
+    ids, mask = batch.input_ids, batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    past, new = None, []
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past)
+            ids = out.logits[:, -1:].argmax(-1)
+            new.append(ids)
+            past = out.past_key_values
+            mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+            if verbose:
+                print("step", len(new))
+    return tokenizer.batch_decode(torch.cat(new, dim=-1))
+
+
+ON_A_GPU = {
+    positions_built_in_python: "make every new tensor on the inputs' device",
+    batched_growing_the_mask_with_cpu_ones: "a tensor made on the CPU met one on the GPU",
+    batched_with_a_float_mask: "attention_mask holds float32 (torch.float), expected int64",
+}
+NAMED_CASES = {
+    left_pad_masking_by_value: "a prompt can hold that token in its own text",
+    batched_masking_by_value: "a prompt can hold that token in its own text",
+}
+
+
 EXERCISES = [
     Exercise("left_pad", check_left_pad, ("tokenizer",), left_pad,
-             right=[course_left_pad, left_pad_with_rows_of_lists], wrong=LEFT_PAD_MISTAKES),
+             right=[course_left_pad, left_pad_with_rows_of_lists],
+             wrong={**LEFT_PAD_MISTAKES, **pick(NAMED_CASES, left_pad_masking_by_value)}),
     Exercise("position_ids_from_mask", check_position_ids_from_mask, ("tokenizer", "device"),
              position_ids_from_mask, right=[course_position_ids_from_mask, positions_with_where],
-             wrong=POSITION_MISTAKES,
-             wrong_on_gpu={positions_filled_in_on_the_cpu: "a tensor made on the CPU met one on "
-                                                           "the GPU"}),
+             wrong={**POSITION_MISTAKES,
+                    positions_filled_in_on_the_cpu: "make every new tensor on the inputs' device",
+                    **pick(ON_A_GPU, positions_built_in_python)}),
     Exercise("batched_greedy", check_batched_greedy, ("model", "tokenizer"), batched_greedy,
-             right=[course_batched_greedy, batched_with_lists_of_ints], wrong=BATCHED_MISTAKES,
-             wrong_on_gpu={batched_with_the_batch_left_on_the_cpu: "a tensor made on the CPU "
-                                                                   "met one on the GPU"}),
+             right=[course_batched_greedy, batched_with_the_encoding_moved,
+                    batched_with_lists_of_ints],
+             wrong={**BATCHED_MISTAKES,
+                    batched_with_the_batch_left_on_the_cpu: "a tensor made on the CPU met one on the GPU",
+                    **pick(ON_A_GPU, batched_growing_the_mask_with_cpu_ones,
+                          batched_with_a_float_mask),
+                    **pick(NAMED_CASES, batched_masking_by_value)}),
 ]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from helpers import Batch, cache_from_layers, cache_layers, filter_batch, merge_batches
 from helpers.checks import check_filter_batch, check_merge_batches
-from tests.answers import Exercise
+from tests.answers import Exercise, pick
 from tests.checking import assert_caught, assert_not_written, assert_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,6 +201,37 @@ FILTER_MISTAKES = {
 }
 
 
+# ---- inputs changed in place: right results, but the caller's batches changed --------------
+
+def merge_extending_the_first_batchs_lists(b1, b2):
+    if len(b1) == 0 or len(b2) == 0:
+        return merge_batches(b1, b2)
+    lists = {}
+    for name in ("request_ids", "max_tokens", "token_ids", "done"):
+        mine = getattr(b1, name)
+        mine += getattr(b2, name)                 # += extends batch1's own list
+        lists[name] = mine
+    merged = merge_batches(_rebuild(b1, **{k: v[:len(b1.input_ids)] for k, v in lists.items()}),
+                           b2)
+    return _rebuild(merged, **lists)
+
+
+def filter_dropping_rows_from_the_input(batch):
+    result = filter_batch(_rebuild(batch, **{name: list(getattr(batch, name)) for name in
+                                             ("request_ids", "max_tokens", "token_ids", "done")}))
+    for row in reversed(range(len(batch.done))):
+        if batch.done[row]:                       # the caller's lists lose the finished rows
+            for name in ("request_ids", "max_tokens", "token_ids", "done"):
+                del getattr(batch, name)[row]
+    return result
+
+
+IN_PLACE = {
+    merge_extending_the_first_batchs_lists: "changed its input batch1 in place",
+    filter_dropping_rows_from_the_input: "changed its input batch in place",
+}
+
+
 # ---- the tests -------------------------------------------------------------------------------
 
 def test_merge_check_passes_the_course_function_quickly(bundled):
@@ -237,9 +268,10 @@ def test_filter_check_catches(mistake, bundled):
 
 EXERCISES = [
     Exercise("merge_batches", check_merge_batches, ("model", "tokenizer"), merge_batches,
-             right=[merge_batches, merge_with_zeros_made_by_hand], wrong=MERGE_MISTAKES,
-             wrong_on_gpu={merge_with_a_mask_made_on_the_cpu: "a tensor made on the CPU met one "
-                                                              "on the GPU"}),
+             right=[merge_batches, merge_with_zeros_made_by_hand],
+             wrong={**MERGE_MISTAKES, **pick(IN_PLACE, merge_extending_the_first_batchs_lists),
+                    merge_with_a_mask_made_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("filter_batch", check_filter_batch, ("model", "tokenizer"), filter_batch,
-             right=[filter_batch, filter_with_a_boolean_index], wrong=FILTER_MISTAKES),
+             right=[filter_batch, filter_with_a_boolean_index],
+             wrong={**FILTER_MISTAKES, **pick(IN_PLACE, filter_dropping_rows_from_the_input)}),
 ]

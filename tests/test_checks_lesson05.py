@@ -225,6 +225,7 @@ EXERCISES = [
                     _lora_class(forward_with_matmul_and_a_scaled_b)],
              wrong={_lora_class(f): symptom for f, symptom in LORA_MISTAKES.items()}),
     Exercise("merge_lora", check_merge_lora, ("device",), merge_lora,
-             right=[merge_as_a_learner_writes_it, merge_with_torch_add], wrong=MERGE_MISTAKES,
-             wrong_on_gpu={merge_on_the_cpu: "the merged weight is on cpu, expected cuda"}),
+             right=[merge_as_a_learner_writes_it, merge_with_torch_add],
+             wrong={**MERGE_MISTAKES,
+                    merge_on_the_cpu: "make every new tensor on the inputs' device"}),
 ]

@@ -266,12 +266,23 @@ def loop_stacking_on_the_cpu(x, loras_a, loras_b, lora_indices):
     return loop_as_in_the_lesson(x, loras_a, loras_b, lora_indices).cpu()
 
 
+def loop_into_zeros_made_on_the_cpu(x, loras_a, loras_b, lora_indices):
+    out = torch.zeros(x.shape[0], x.shape[1], loras_b.shape[2], dtype=x.dtype)   # no device=
+    for i, k in enumerate(lora_indices.tolist()):
+        out[i] = x[i] @ loras_a[k] @ loras_b[k]
+    return out
+
+
+ON_A_GPU = {loop_into_zeros_made_on_the_cpu: "make every new tensor on the inputs' device"}
+
+
 EXERCISES = [
     Exercise("linear_lora_loop", check_linear_lora_loop, ("device",), linear_lora_loop,
-             right=[loop_as_in_the_lesson, loop_with_cat_of_unsqueezed_rows], wrong=LOOP_MISTAKES,
-             wrong_on_gpu={loop_stacking_on_the_cpu: "the result is on cpu, expected cuda"}),
+             right=[loop_as_in_the_lesson, loop_with_cat_of_unsqueezed_rows],
+             wrong={**LOOP_MISTAKES, **ON_A_GPU,
+                    loop_stacking_on_the_cpu: "make every new tensor on the inputs' device"}),
     Exercise("linear_lora_gathered", check_linear_lora_gathered, ("device",), linear_lora_gathered,
              right=[gathered_as_in_the_lesson, gathered_by_broadcasting, gathered_with_einsum],
-             wrong=GATHERED_MISTAKES,
-             wrong_on_gpu={gathered_into_a_new_cpu_tensor: "the result is on cpu, expected cuda"}),
+             wrong={**GATHERED_MISTAKES,
+                    gathered_into_a_new_cpu_tensor: "make every new tensor on the inputs' device"}),
 ]

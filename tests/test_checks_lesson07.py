@@ -327,11 +327,52 @@ def test_both_reference_functions_work_against_the_course_server():
         server.stop()
 
 
+# ---- timing read exactly, requests left as they were -----------------------------------------
+
+def stream_reading_the_clock_twice(send, clock=time.perf_counter):
+    start, last = clock(), None
+    ttft, gaps, text = None, [], ""
+    for event in send():
+        if last is None:
+            ttft = clock() - start
+        else:
+            gaps.append(clock() - last)
+        last = clock()                          # a second reading: later than the first
+        if not event.token.special:
+            text += event.token.text
+    return ttft, gaps, text
+
+
+def stream_ttft_at_the_first_text(send, clock=time.perf_counter):
+    start, ttft = clock(), None
+    stamps, text = [], ""
+    for event in send():
+        now = clock()
+        stamps.append(now)
+        if not event.token.special:
+            if ttft is None:                    # the first token that shows
+                ttft = now - start
+            text += event.token.text
+    return ttft, [b - a for a, b in zip(stamps, stamps[1:])], text
+
+
+async def all_taking_the_prompt_out(aclient, requests):
+    replies = await asyncio.gather(*(aclient.generate(r.pop("prompt"), **r) for r in requests))
+    return [reply.generated_text for reply in replies]
+
+
+TIMING = {
+    stream_reading_the_clock_twice: "the clock was read twice for one event",
+    stream_ttft_at_the_first_text: "that is the time to the first token that is not special",
+}
+IN_PLACE = {all_taking_the_prompt_out: "changed its input requests in place"}
+
+
 EXERCISES = [
     Exercise("time_stream", check_time_stream, (), time_stream_reference,
-             right=[stream_as_in_the_lesson, stream_with_next], wrong=STREAM_MISTAKES),
+             right=[stream_as_in_the_lesson, stream_with_next], wrong={**STREAM_MISTAKES, **TIMING}),
     Exercise("generate_all", check_generate_all, (), generate_all_reference,
-             right=[all_as_in_the_lesson, all_with_tasks], wrong=GATHER_MISTAKES),
+             right=[all_as_in_the_lesson, all_with_tasks], wrong={**GATHER_MISTAKES, **IN_PLACE}),
 ]
 
 

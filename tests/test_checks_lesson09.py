@@ -255,13 +255,77 @@ def verify_with_the_ids_on_the_cpu(model, cache, unread, guesses):
     return guesses[:n] + [choices[n]]
 
 
+# ---- what a GPU refuses, what a pass costs, the case the text names --------------------------
+
+def verify_a_pass_per_guess(model, cache, unread, guesses):
+    """The same tokens and cache, but a pass for the unread tokens and one per kept guess."""
+    with torch.no_grad():
+        ids = torch.tensor([unread], device=model.device)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        kept = []
+        for guess in guesses:
+            if int(logits.argmax()) != guess:
+                break
+            kept.append(guess)
+            ids = torch.tensor([[guess]], device=model.device)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    return kept + [int(logits.argmax())]
+
+
+def verify_in_two_passes(model, cache, unread, guesses):
+    """The unread tokens in a pass, the guesses in another."""
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([unread], device=model.device),
+                      past_key_values=cache, use_cache=True).logits[0, -1:]
+        rest = (model(input_ids=torch.tensor([guesses], device=model.device),
+                      past_key_values=cache, use_cache=True).logits[0] if guesses
+                else first[:0])
+    choices = torch.cat([first, rest]).argmax(dim=-1).tolist()
+    n = 0
+    while n < len(guesses) and guesses[n] == choices[n]:
+        n += 1
+    if n < len(guesses):
+        cache.crop(-(len(guesses) - n))
+    return guesses[:n] + [choices[n]]
+
+
+def verify_with_the_guesses_on_the_cpu(model, cache, unread, guesses):
+    ids = torch.cat([torch.tensor([unread], device=model.device),
+                     torch.tensor([guesses], dtype=torch.long)], dim=1)      # no device=
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    choices = logits[len(unread) - 1:].argmax(dim=-1).tolist()
+    n = 0
+    while n < len(guesses) and guesses[n] == choices[n]:
+        n += 1
+    if n < len(guesses):
+        cache.crop(-(len(guesses) - n))
+    return guesses[:n] + [choices[n]]
+
+
+def lookup_before_the_tail_only(ids, k, max_ngram=3):
+    """Searches ids[:-n], the text before the tail: a match that overlaps the tail is lost."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        tail, before = ids[-n:], ids[:-n]
+        for start in range(len(before) - n, -1, -1):
+            if before[start:start + n] == tail:
+                return ids[start + n:start + n + k]
+    return []
+
+
+COSTS = {verify_a_pass_per_guess: "where one is enough", verify_in_two_passes: "where one is enough"}
+ON_A_GPU = {verify_with_the_guesses_on_the_cpu: "a tensor made on the CPU met one on the GPU"}
+NAMED_CASES = {lookup_before_the_tail_only: "may overlap the tail itself"}
+
+
 EXERCISES = [
     Exercise("verify", check_verify, ("model", "tokenizer"), verify_greedy,
-             right=[verify, verify_with_a_python_loop], wrong=VERIFY_MISTAKES,
-             wrong_on_gpu={verify_with_the_ids_on_the_cpu: "a tensor made on the CPU met one on "
-                                                           "the GPU"}),
+             right=[verify, verify_with_a_python_loop],
+             wrong={**VERIFY_MISTAKES, **COSTS, **ON_A_GPU,
+                    verify_with_the_ids_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("lookup", check_lookup, (), course_lookup,
-             right=[lookup, lookup_with_a_dictionary_of_tails], wrong=LOOKUP_MISTAKES),
+             right=[lookup, lookup_with_a_dictionary_of_tails],
+             wrong={**LOOKUP_MISTAKES, **NAMED_CASES}),
     Exercise("expected_tokens", check_expected_tokens, (), course_expected_tokens,
              right=[expected_tokens, expected_tokens_as_a_sum], wrong=EXPECTED_MISTAKES),
 ]

@@ -140,7 +140,8 @@ def padding_with_zeros(input_ids, size, pad_token_id):
 
 
 def float_padding(input_ids, size, pad_token_id):
-    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), float(pad_token_id))
+    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), float(pad_token_id),
+                         device=input_ids.device)
     return torch.cat([input_ids.float(), padding])
 
 
@@ -149,8 +150,9 @@ def a_list(input_ids, size, pad_token_id):
 
 
 def padding_made_with_torch_full(input_ids, size, pad_token_id):
-    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), pad_token_id)
-    return torch.cat([input_ids, padding])           # int64, on the CPU
+    padding = torch.full((size - input_ids.shape[0], input_ids.shape[1]), pad_token_id,
+                         device=input_ids.device)
+    return torch.cat([input_ids, padding])           # int64 whatever the input's dtype
 
 
 def padding_into_the_input(input_ids, size, pad_token_id):
@@ -511,7 +513,24 @@ def returns_a_list(graphs, token, position, pad_token_id):
     return lesson_replay(graphs, token, position, pad_token_id).tolist()
 
 
+def leaves_the_padding_rows(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token[:token.shape[0]].copy_(token)        # the rows below keep an earlier step's
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
+def pads_with_zeros(graphs, token, position, pad_token_id):
+    graph = graphs[capture_size(token.shape[0], list(graphs))]
+    graph.token.zero_()
+    graph.token[:token.shape[0]].copy_(token)
+    graph.position.copy_(position)
+    return graph.replay()[:token.shape[0]]
+
+
 REPLAY_MISTAKES = {
+    leaves_the_padding_rows: "fill every row below the batch with pad_token_id",
+    pads_with_zeros: "fill every row below the batch with pad_token_id",
     assigns_new_buffers: "copy into its buffers",
     gives_the_buffers_new_memory: "new memory for it",
     sets_the_buffers: "new memory for it",
@@ -562,9 +581,9 @@ EXERCISES = [
     Exercise("capture_size", check_capture_size, (), capture_size,
              right=[lesson_capture_size, from_sorted_sizes], wrong=CAPTURE_MISTAKES),
     Exercise("pad_batch", check_pad_batch, ("device",), pad_batch,
-             right=[lesson_pad_batch, padding_with_new_full_and_a_slice], wrong=PAD_MISTAKES,
-             wrong_on_gpu={padding_of_the_dtype_on_the_cpu: "a tensor made on the CPU met one on "
-                                                            "the GPU"}),
+             right=[lesson_pad_batch, padding_with_new_full_and_a_slice],
+             wrong={**PAD_MISTAKES,
+                    padding_of_the_dtype_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
     Exercise("break_even_tokens", check_break_even, (), break_even_tokens,
              right=[lesson_break_even, with_integer_division], wrong=BREAK_EVEN_MISTAKES),
     Exercise("replay", check_replay, (), replay_step,

@@ -49,6 +49,17 @@ def rows_cut(weight, bias, num_heads, rank, world_size):                   # nn.
     return weight[rank * part:(rank + 1) * part], bias
 
 
+def parts_cut_along_the_rows(weight, bias, num_heads, rank, world_size):   # nn.Linear's layout
+    if num_heads % world_size:
+        raise ValueError("heads")
+    part = weight.shape[0] // 3 // world_size
+    pieces = [weight[s + rank * part:s + (rank + 1) * part]
+              for s in range(0, 3 * (weight.shape[0] // 3), weight.shape[0] // 3)]
+    cols = bias.shape[0] // 3 // world_size
+    return torch.cat(pieces), torch.cat([bias[s + rank * cols:s + (rank + 1) * cols]
+                                         for s in range(0, bias.shape[0], bias.shape[0] // 3)])
+
+
 def one_block(weight, bias, num_heads, rank, world_size):
     if num_heads % world_size:
         raise ValueError("heads")
@@ -122,7 +133,8 @@ def regrouping_in_place(weight, bias, num_heads, rank, world_size):
 
 
 QKV_MISTAKES = {
-    rows_cut: "Conv1D stores its weight as (in, out)",
+    rows_cut: "a Conv1D, whose weight is (in, out)",
+    parts_cut_along_the_rows: "you cut the rows, dimension 0, as for an nn.Linear",
     one_block: "cut c_attn's columns as one block",
     bias_as_one_block: "the bias was cut as one block",
     bias_whole: "cut it like the weight's columns",
@@ -254,7 +266,7 @@ MLP_MISTAKES = {
     NoActivation: "without its activation",
     ReduceBeforeActivation: "its partial product h @ proj_weight, all-reduces that",
     LinearHabit: "(in, out)",
-    SumDiscarded: "all-reduces that, then adds proj_bias once",
+    SumDiscarded: "its sum never reached the output",
     OnlyRankZeroReduces: "different numbers of all-reduces",
     Float64: "keep the dtype",
     BiasDividedInPlace: "its second (a decode step) differs",
@@ -302,6 +314,13 @@ def with_masked_fill(ids, weight_shard, start, comm):                      # als
     mine = (ids >= start) & (ids < start + len(weight_shard))
     rows = weight_shard[(ids - start).clamp(0, len(weight_shard) - 1)]
     return comm.all_reduce(rows.masked_fill(~mine.unsqueeze(-1), 0))
+
+
+def reducing_a_copy(ids, weight_shard, start, comm):
+    mine = (ids >= start) & (ids < start + weight_shard.shape[0])
+    rows = weight_shard[torch.where(mine, ids - start, 0)] * mine.unsqueeze(-1)
+    comm.all_reduce(rows.clone())                   # the sum goes into the copy
+    return rows
 
 
 def no_mask_no_offset(ids, weight_shard, start, comm):
@@ -371,7 +390,8 @@ EMBED_MISTAKES = {
     no_reduce: "made no all-reduce",
     reduce_twice: "made 2 all-reduces, expected 1",
     off_by_one: "not <=",
-    float_mask: "keep the dtype",
+    float_mask: "give the mask the rows' dtype",
+    reducing_a_copy: "the sum never reached it",
     mask_without_a_hidden_dimension: "mask.unsqueeze(-1)",
     only_this_ranks_rows: "has shape",
     shifting_ids_in_place: "changed the ids it was given",
@@ -404,7 +424,7 @@ def test_a_passing_embedding_gives_the_whole_embedding(model):
     assert all(torch.equal(rows, wte[ids]) for rows in out)
 
 
-# ---- answers only a GPU shows wrong: a tensor made on the CPU -----------------------------------
+# ---- a tensor made on the CPU, which a GPU refuses --------------------------------------------
 
 def columns_picked_by_a_cpu_index(weight, bias, num_heads, rank, world_size):
     """index_select with an index made by torch.arange, on the CPU: on a GPU it cannot pick
@@ -437,13 +457,14 @@ def zeros_made_on_the_cpu(ids, weight_shard, start, comm):
 
 EXERCISES = [
     Exercise("split_qkv", check_split_qkv, ("model",), split_qkv,
-             right=[lesson_split_qkv, with_chunks], wrong=QKV_MISTAKES,
-             wrong_on_gpu={columns_picked_by_a_cpu_index: "a tensor made on the CPU met one on "
-                                                          "the GPU"}),
+             right=[lesson_split_qkv, with_chunks],
+             wrong={**QKV_MISTAKES,
+                    columns_picked_by_a_cpu_index: "a tensor made on the CPU met one on the GPU"}),
     Exercise("ShardedMLP", check_sharded_mlp, ("model",), ShardedMLP,
-             right=[LessonMLP, ReturningTheSum], wrong=MLP_MISTAKES,
-             wrong_on_gpu={SumIntoCpuZeros: "a tensor made on the CPU met one on the GPU"}),
+             right=[LessonMLP, ReturningTheSum],
+             wrong={**MLP_MISTAKES, SumIntoCpuZeros: "a tensor made on the CPU met one on the GPU"}),
     Exercise("embed_vocab_shard", check_embed_vocab_shard, ("model",), embed_vocab_shard,
-             right=[lesson_embed, with_masked_fill], wrong=EMBED_MISTAKES,
-             wrong_on_gpu={zeros_made_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
+             right=[lesson_embed, with_masked_fill],
+             wrong={**EMBED_MISTAKES,
+                    zeros_made_on_the_cpu: "a tensor made on the CPU met one on the GPU"}),
 ]

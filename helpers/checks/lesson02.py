@@ -21,7 +21,7 @@ from contextlib import redirect_stdout
 import torch
 
 from ..batching import left_pad, position_ids_from_mask
-from .core import (Hint, expect_equal, expect_like, expect_shape, expect_tensor,
+from .core import (Hint, dtype_hint, expect_equal, expect_like, expect_shape, expect_tensor,
                    expect_unchanged, run_check)
 from .lesson01 import recording
 
@@ -55,7 +55,8 @@ def _left_pad_cases(tokenizer):
         ("the lesson's five prompts (7 to 3 tokens)", ids(PROMPTS), pad),
         ("prompts of one length: no padding", ids(["Jack and Jill", "Humpty Dumpty sat"]), pad),
         ("a single prompt", ids(["The rain in Spain falls"]), pad),
-        ("a one-token prompt beside a long one", ids(["Once", PROMPTS[0]]), pad),
+        ("a one-token prompt beside a long one that holds the pad token <|endoftext|> in its "
+         "own text", ids(["Once", "Jack and Jill<|endoftext|>Once upon a time"]), pad),
         ("another pad id (99)", ids(["Jack and Jill went up the hill", "What comes up must"]), 99),
     ]
 
@@ -89,6 +90,12 @@ def _diagnose_padding(got_ids, got_mask, want_ids, want_mask, pad_id) -> None:
     if torch.equal(got_mask, 1 - want_mask) and not torch.equal(got_mask, want_mask):
         raise Hint("the attention mask is 1 on the padding and 0 on the tokens: 1 marks a real "
                    "token, 0 a pad")
+    is_pad = (want_ids == pad_id).long()
+    if torch.equal(got_mask, 1 - is_pad) and not torch.equal(got_mask, want_mask):
+        raise Hint(f"the attention mask is 0 wherever the id is the pad id {pad_id}, but a prompt "
+                   f"can hold that token in its own text (the course pads with <|endoftext|>): "
+                   f"mark the padding by position (the columns before each list starts), not by "
+                   f"value")
     for row in range(want_mask.shape[0]):
         if bool(want_mask[row, -1]) and not bool(got_mask[row, -1]):
             raise Hint(f"row {row} ends in padding, so it is padded on the right: pad on the "
@@ -104,8 +111,8 @@ def _diagnose_padding(got_ids, got_mask, want_ids, want_mask, pad_id) -> None:
 
 def check_left_pad(learner_left_pad, tokenizer):
     """Lesson 02: check the learner's ``left_pad(token_lists, pad_id)`` against the course's on
-    the lesson's prompts, prompts of one length, a single prompt, a one-token prompt and another
-    pad id; print one line and return the function the rest of the lesson should use."""
+    the lesson's prompts, prompts of one length, a single prompt, a one-token prompt beside one
+    that holds the pad token in its own text, and another pad id; print one line and return the function the rest of the lesson should use."""
     return run_check("left_pad", learner_left_pad, _left_pad_cases(tokenizer), fallback=left_pad)
 
 
@@ -180,7 +187,7 @@ def check_position_ids_from_mask(learner_position_ids_from_mask, tokenizer, devi
     return the function the rest of the lesson should use."""
     return run_check("position_ids_from_mask", learner_position_ids_from_mask,
                      _position_cases(tokenizer, torch.device(device)),
-                     fallback=position_ids_from_mask)
+                     fallback=position_ids_from_mask, gpu=True)
 
 
 # ---- batched_greedy -------------------------------------------------------------------------
@@ -210,7 +217,7 @@ def batched_greedy(model, tokenizer, prompts, n_tokens, verbose=False):
     return [tokenizer.decode(row) for row in torch.cat(new, dim=1)]
 
 
-def _diagnose_calls(calls: list[dict], reference: list[dict]) -> None:
+def _diagnose_calls(calls: list[dict], reference: list[dict], pad_id: int | None = None) -> None:
     """Raise a Hint at the first call whose inputs differ from the course's at the same step."""
     for step, (call, want) in enumerate(zip(calls, reference)):
         at = "the prefill" if step == 0 else f"step {step}"
@@ -237,6 +244,10 @@ def _diagnose_calls(calls: list[dict], reference: list[dict]) -> None:
                            f"add a column of ones at every step")
             raise Hint(f"{at}'s attention_mask has shape {tuple(mask.shape)}, expected "
                        f"{tuple(want_mask.shape)}")
+        if mask.is_floating_point() and not want_mask.is_floating_point():
+            raise Hint(dtype_hint(f"{at}'s attention_mask", mask.dtype, want_mask.dtype)
+                       + " (the tokenizer's mask is int64: keep its dtype when adding columns, "
+                         "torch.ones_like(next_ids) or dtype=mask.dtype)")
         mask = mask.long()
         if step == 0:
             for row in range(want_mask.shape[0]):
@@ -244,6 +255,12 @@ def _diagnose_calls(calls: list[dict], reference: list[dict]) -> None:
                     raise Hint(f"row {row} of the prefill's attention mask ends in padding: the "
                                f"prompts are padded on the right; pad them on the left "
                                f"(tokenizer.padding_side = 'left')")
+            by_value = (want["input_ids"] != pad_id).long()
+            if torch.equal(mask, by_value) and not torch.equal(mask, want_mask):
+                raise Hint(f"the prefill's attention mask is 0 wherever the id is the pad id "
+                           f"{pad_id}, but a prompt can hold that token in its own text (the "
+                           f"course pads with <|endoftext|>): take the mask from the padding "
+                           f"(left_pad's, or the tokenizer's), not from the ids' values")
         expect_tensor(f"{at}'s attention_mask", mask, want_mask)
         positions, want_positions = call["position_ids"], want["position_ids"]
         if positions is None:
@@ -274,8 +291,9 @@ def _batched_cases(model, tokenizer):
         ("the lesson's five prompts, 6 tokens each", PROMPTS, 6, False),
         ("one token each: the prefill alone", PROMPTS[1:4], 1, False),
         ("a single prompt: no padding", ["Jack and Jill"], 5, False),
-        ("a long and a short prompt, 12 tokens",
-         ["Once upon a time a little fox lived by the river and", "What comes up must"], 12, False),
+        ("a long prompt that holds the pad token <|endoftext|> in its own text, and a short "
+         "one, 12 tokens", ["Once upon a time<|endoftext|>a little fox lived by the river and",
+                            "What comes up must"], 12, False),
         ("verbose=True, as the lesson calls it next (a line a step; what it says is yours)",
          PROMPTS[:2], 3, True),
     ]
@@ -290,16 +308,18 @@ def _batched_cases(model, tokenizer):
                 try:
                     with recording(model) as calls, redirect_stdout(printed):
                         try:
-                            got = (learner(model, tokenizer, list(prompts), n, verbose=True)
-                                   if verbose else learner(model, tokenizer, list(prompts), n))
+                            given = list(prompts)
+                            got = (learner(model, tokenizer, given, n, verbose=True)
+                                   if verbose else learner(model, tokenizer, given, n))
                         except (NotImplementedError, Hint):
                             raise
                         except Exception:
-                            _diagnose_calls(calls, reference)   # a hint if a call was wrong
+                            _diagnose_calls(calls, reference, tokenizer.pad_token_id)   # a hint if a call was wrong
                             raise
                 finally:
                     tokenizer.padding_side = side
-                _diagnose_calls(calls, reference)
+                _diagnose_calls(calls, reference, tokenizer.pad_token_id)
+                expect_unchanged("prompts", list(prompts), given)
                 lines = [line for line in printed.getvalue().splitlines() if line.strip()]
                 if verbose and len(lines) < n:
                     raise Hint(f"with verbose=True it printed {len(lines)} line(s) for {n} "
@@ -337,9 +357,10 @@ BATCHED_CAUSES = {
 
 def check_batched_greedy(learner_batched_greedy, model, tokenizer):
     """Lesson 02: check the learner's ``batched_greedy(model, tokenizer, prompts, n_tokens)``
-    against the course's on the lesson's prompts, one token, a single prompt and a long beside a
-    short prompt, comparing the texts and what every call fed the model (tokens, attention mask,
-    position ids, cache); print one line and return the function the rest of the lesson should
+    against the course's on the lesson's prompts, one token, a single prompt and a long prompt
+    that holds the pad token beside a short one, comparing the texts and what every call fed the
+    model (tokens, attention mask and its dtype, position ids, cache, none of them made on the
+    CPU where the model stands for a GPU's); print one line and return the function the rest of the lesson should
     use."""
     return run_check("batched_greedy", learner_batched_greedy, _batched_cases(model, tokenizer),
-                     fallback=batched_greedy, causes=BATCHED_CAUSES)
+                     fallback=batched_greedy, causes=BATCHED_CAUSES, gpu=model)

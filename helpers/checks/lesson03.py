@@ -3,8 +3,9 @@
 Each case builds real batches with the course's ``init_batch`` and ``generate_next_token`` on
 the lesson's model (and on a tiny Llama-style model whose 4 attention heads share 2 kv heads),
 runs the learner's function and the course's on copies of the same batches, and compares every
-list, every tensor (values, dtype and device) and every layer of the KV cache. ``merge_batches``
-also meets an empty batch on either side and two empty ones, as the lesson's loop does.
+list, every tensor (values, dtype and device) and every layer of the KV cache; the batches it
+was given must come back as they were. ``merge_batches`` also meets an empty batch on either
+side and two empty ones, as the lesson's loop does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ..batching import (Batch, cache_layers, filter_batch, generate_next_token, init_batch,
                         merge_batches)
-from .core import Hint, expect_equal, expect_tensor, run_check
+from .core import Hint, expect_equal, expect_tensor, expect_unchanged, run_check
 
 RUNNING = [("The rain in Spain falls", 2), ("Jack and Jill", 5)]
 NEWCOMER = [("Humpty Dumpty sat", 4)]
@@ -129,11 +130,14 @@ def _merge_cases(model, tokenizer):
                 b1 = _prefilled(mdl, tokenizer, first)
                 b2 = _prefilled(mdl, tokenizer, second, first_id=len(first))
                 expected = merge_batches(_copy(b1), _copy(b2))
+                given1, given2 = _copy(b1), _copy(b2)
                 try:
-                    got = learner(_copy(b1), _copy(b2))
+                    got = learner(given1, given2)
                 except RuntimeError as error:
                     _heads_hint(error, mdl)
                     raise
+                expect_unchanged("batch1", b1, given1)
+                expect_unchanged("batch2", b2, given2)
                 _expect_batch(got, expected, "merge_batches")
         with cases("an empty running batch"):
             b2 = _prefilled(model, tokenizer, NEWCOMER)
@@ -171,7 +175,7 @@ def check_merge_batches(learner_merge_batches, model, tokenizer):
     rows of different history lengths, a GQA model, an empty batch on either side and two
     empty ones; print one line and return the function the rest of the lesson should use."""
     return run_check("merge_batches", learner_merge_batches, _merge_cases(model, tokenizer),
-                     fallback=merge_batches, causes=MERGE_CAUSES)
+                     fallback=merge_batches, causes=MERGE_CAUSES, gpu=True)
 
 
 # ---- filter_batch -------------------------------------------------------------------------
@@ -206,7 +210,9 @@ def _filter_cases(model, tokenizer):
                 batch = build(gqa if "GQA" in label else model)
                 finished = [rid for rid, done in zip(batch.request_ids, batch.done) if done]
                 expected = filter_batch(_copy(batch))
-                got = learner(_copy(batch))
+                given = _copy(batch)
+                got = learner(given)
+                expect_unchanged("batch", batch, given)
                 if isinstance(got, Batch):
                     left = [rid for rid in finished if rid in got.request_ids]
                     if left:
@@ -226,4 +232,4 @@ def check_filter_batch(learner_filter_batch, model, tokenizer):
     rows leave, shared padding is cut from the mask and the cache); print one line and return
     the function the rest of the lesson should use."""
     return run_check("filter_batch", learner_filter_batch, _filter_cases(model, tokenizer),
-                     fallback=filter_batch)
+                     fallback=filter_batch, gpu=True)

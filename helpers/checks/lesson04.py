@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..quantization import quantize
-from .core import (Hint, device_hint, dtype_hint, expect_like, expect_shape, expect_tensor,
+from .core import (Hint, expect_device, expect_like, expect_shape, expect_tensor,
                    expect_unchanged, run_check)
 
 __all__ = ["check_quantize_tensor", "check_dequantize_tensor", "check_quantize_channels",
@@ -197,8 +197,7 @@ def _expect_codes(got, expected: torch.Tensor, t: torch.Tensor, scale: torch.Ten
     """Compare the learner's codes with ours; ties (a value halfway between two codes, where
     the last bit of x / scale decides) may go either way."""
     expect_shape("q (uint8 codes)", got, tuple(expected.shape), " (one code per value of t)")
-    if got.device != t.device:
-        raise Hint(device_hint("q", got.device, t.device))
+    expect_device("q", got, t.device)
     got, expected, t = got.detach().cpu(), expected.cpu(), t.cpu()
     scale, zero_point, lo = (torch.as_tensor(v).cpu() for v in (scale, zero_point, lo))
     if got.dtype != torch.uint8:
@@ -289,7 +288,7 @@ def check_quantize_tensor(learner_quantize_tensor, model):
     the lesson should use."""
     return run_check("quantize_tensor", learner_quantize_tensor,
                      _quantize_tensor_checker(model), fallback=quantize_tensor,
-                     causes=QUANTIZE_CAUSES)
+                     causes=QUANTIZE_CAUSES, gpu=True)
 
 
 # ---- dequantize_tensor ----------------------------------------------------------------------
@@ -370,7 +369,7 @@ def check_dequantize_tensor(learner_dequantize_tensor, model):
     per-channel scales; print one line and return the function the rest of the lesson should
     use."""
     return run_check("dequantize_tensor", learner_dequantize_tensor, _dequantize_checker(model),
-                     fallback=dequantize_tensor, causes=DEQUANTIZE_CAUSES)
+                     fallback=dequantize_tensor, causes=DEQUANTIZE_CAUSES, gpu=True)
 
 
 # ---- quantize_channels ----------------------------------------------------------------------
@@ -426,8 +425,7 @@ def _quantize_channels_checker(model):
                 _expect_scale(got_scale, scale, t, dims)
                 expect_like("the scale", got_scale, scale)
                 expect_shape("the zero point", got_zp, tuple(zp.shape), ", the shape of the scale")
-                if got_zp.device != zp.device:
-                    raise Hint(device_hint("the zero point", got_zp.device, zp.device))
+                expect_device("the zero point", got_zp, zp.device)
                 got_z, want_z = got_zp.detach().cpu().double(), zp.cpu().double()
                 if not torch.equal(got_z, want_z):
                     i = int((got_z != want_z).flatten().nonzero()[0])
@@ -456,4 +454,4 @@ def check_quantize_channels(learner_quantize_channels, model):
     rest of the lesson should use."""
     return run_check("quantize_channels", learner_quantize_channels,
                      _quantize_channels_checker(model), fallback=quantize_channels,
-                     causes=CHANNEL_CAUSES)
+                     causes=CHANNEL_CAUSES, gpu=True)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..lora import LoraLayer
-from .core import Hint, expect_like, expect_shape, expect_tensor, expect_unchanged, run_check
+from .core import (Hint, expect_device, expect_like, expect_shape, expect_tensor, expect_unchanged,
+                   run_check)
 from .counting import flops
 
 __all__ = ["check_lora_layer", "check_merge_lora", "merge_lora"]
@@ -209,6 +210,7 @@ def _merge_checker(learner, cases, device):
                 if not isinstance(got, torch.Tensor):
                     raise Hint(f"merge_lora should return the merged weight, a tensor of shape "
                                f"{tuple(expected.shape)}, got {type(got).__name__}")
+                expect_device("the merged weight", got, expected.device)
                 got = got.detach()
                 if got.shape == expected.shape:
                     expect_like("the merged weight", got, expected)
@@ -260,4 +262,4 @@ def check_merge_lora(learner_merge_lora, device="cpu"):
     device = torch.device(device)
     return run_check("merge_lora", learner_merge_lora,
                      lambda learner, cases: _merge_checker(learner, cases, device),
-                     fallback=merge_lora, causes=MERGE_CAUSES)
+                     fallback=merge_lora, causes=MERGE_CAUSES, gpu=True)

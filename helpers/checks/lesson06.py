@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..lora import linear_lora_gathered, linear_lora_loop, random_adapters
-from .core import Hint, device_hint, dtype_hint, expect_unchanged, run_check, shape_of
+from .core import Hint, device_hint, dtype_hint, expect_device, expect_unchanged, run_check, shape_of
 from .counting import CountCalls, flops
 
 __all__ = ["check_linear_lora_loop", "check_linear_lora_gathered"]
@@ -103,8 +103,7 @@ def _expect_output(got, x, loras_a, loras_b, indices, expected, device, learner=
     if not isinstance(got, torch.Tensor):
         raise Hint(f"should return a tensor of shape {shape_of(expected)} "
                    f"(batch, seq, out), got {type(got).__name__}")
-    if got.device.type != torch.device(device).type:
-        raise Hint(device_hint("the result", got.device, torch.device(device)))
+    expect_device("the result", got, device)
     if got.shape == expected.shape and got.dtype != expected.dtype:
         raise Hint(dtype_hint("the result", got.dtype, expected.dtype))
     got = got.detach().cpu().float()
@@ -270,7 +269,7 @@ def check_linear_lora_loop(learner_linear_lora_loop, device="cpu"):
     function the rest of the lesson should use."""
     return run_check("linear_lora_loop", learner_linear_lora_loop,
                      _cases(linear_lora_loop, count_calls=False, device=torch.device(device)),
-                     fallback=linear_lora_loop, causes=CAUSES)
+                     fallback=linear_lora_loop, causes=CAUSES, gpu=True)
 
 
 def check_linear_lora_gathered(learner_linear_lora_gathered, device="cpu"):
@@ -281,4 +280,4 @@ def check_linear_lora_gathered(learner_linear_lora_gathered, device="cpu"):
     rest of the lesson should use."""
     return run_check("linear_lora_gathered", learner_linear_lora_gathered,
                      _cases(linear_lora_gathered, count_calls=True, device=torch.device(device)),
-                     fallback=linear_lora_gathered, causes=CAUSES)
+                     fallback=linear_lora_gathered, causes=CAUSES, gpu=True)

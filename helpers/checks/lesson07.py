@@ -3,12 +3,14 @@ serving client.
 
 Neither check talks to a server: a check must be quick and give the same answer on every run,
 and a real server's timings change from run to run. So ``time_stream`` gets a scripted stream
-of lorax-client-like events and a fake clock that moves only when the stream says so (the
-request being sent, the prefill, each decode step): the expected TTFT and gaps are known
-exactly. ``generate_all`` gets a fake ``AsyncClient`` whose answers come back in the reverse of
-the order they were sent, and which notes how many requests were in flight at once: all of them
-must be. Reading an event's token moves the fake clock a microsecond, so a stamp taken after
-the loop's work shows. The times must be numbers, the text a string: the lesson then uses both
+of lorax-client-like events and a fake clock that moves when the stream says so (the request
+being sent, the prefill, each decode step): the expected TTFT and gaps are known exactly.
+Reading an event's token moves the fake clock a microsecond, and so does reading the clock, so
+a stamp taken after the loop's work, or a second reading for one event, shows. One stream
+starts with a special token, which the TTFT counts like any other. ``generate_all`` gets a fake
+``AsyncClient`` whose answers come back in the reverse of the order they were sent, and which
+notes how many requests were in flight at once: all of them must be; the request dicts must
+come back as they were given. The times must be numbers, the text a string: the lesson then uses both
 functions against the running server.
 
 ``time_stream_reference`` and ``generate_all_reference`` are the course's versions: what the
@@ -25,7 +27,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
-from .core import Hint, expect_number, run_check
+from .core import Hint, expect_number, expect_unchanged, run_check, snapshot
 
 __all__ = ["check_time_stream", "check_generate_all", "time_stream_reference",
            "generate_all_reference"]
@@ -65,13 +67,17 @@ async def generate_all_reference(aclient, requests):
 # ---- time_stream --------------------------------------------------------------------------
 
 class FakeClock:
-    """A clock that moves only when told to: ``clock()`` is the time, ``clock.advance(s)``."""
+    """A clock that moves only when told to (``clock.advance(s)``), and by a tick each time it
+    is read: ``clock()`` is the time, as a real clock it is never the same twice, so that two
+    readings for one event show; ``clock.now`` reads it without the tick."""
 
     def __init__(self, start: float = 100.0):
         self.now = start
 
     def __call__(self) -> float:
-        return self.now
+        now = self.now
+        self.now += TICK
+        return now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -80,6 +86,8 @@ class FakeClock:
 #: What reading an event's token costs on the fake clock: the work of a loop's body, small but
 #: not nothing, so that a stamp taken after it shows (the text: "read clock() first thing").
 READ_COST = 1e-6
+#: What reading the clock costs on the fake clock.
+TICK = 1e-6
 #: How near a time must be to a wrong one for the hint to name that mistake (a few reads).
 NEAR = 20 * READ_COST
 
@@ -124,7 +132,7 @@ class ScriptedStream:
             self.clock.advance(delay)
             self.read = i + 1
             last = i == len(self.tokens) - 1
-            self.arrivals.append(self.clock())
+            self.arrivals.append(self.clock.now)
             yield _Event(self.clock, 300 + i, text, special, final if last else None)
 
 
@@ -136,8 +144,9 @@ STREAMS = [
      dict(tokens=STORY, connect=0.004, prefill=0.030, steps=[0.010, 0.012, 0.002, 0.025, 0.011])),
     ("an answer of one token", dict(tokens=[(" down", False)], connect=0.003, prefill=0.020,
                                     steps=[])),
-    ("a long queue before the first token",
-     dict(tokens=STORY[:3], connect=0.005, prefill=1.500, steps=[0.009, 0.013])),
+    ("a long queue, then an answer that starts with the special end-of-text token",
+     dict(tokens=STORY[4:] + [(" upon", False)], connect=0.005, prefill=1.500,
+          steps=[0.009, 0.013])),
 ]
 
 
@@ -182,14 +191,20 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
                        f"send(): some clients (openai's) send the request and wait for the "
                        f"reply's headers inside that call")
         if (n > 1 and abs(got - (stamps[-1] - clock_start)) < NEAR and isinstance(gaps, (list, tuple))
-                and all(abs(float(g)) < 1e-12 for g in gaps if isinstance(g, (int, float)))):
-            raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}, and every gap is 0: all "
+                and all(abs(float(g)) < NEAR for g in gaps if isinstance(g, (int, float)))):
+            raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}, and every gap is about 0: all "
                        f"tokens got the same time, so the stream was read to its end (list(...)?) "
                        f"before the times were taken; take clock() in the loop, as each event "
                        f"arrives")
         if n > 1 and abs(got - (stamps[-1] - clock_start)) < NEAR:
             raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}: that is the time to the "
                        f"last token; the TTFT ends at the first one")
+        first_text = next((i for i, (_, special) in enumerate(stream.tokens) if not special), 0)
+        if first_text and abs(got - (stamps[first_text] - clock_start)) < NEAR:
+            raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)}: that is the time to the "
+                       f"first token that is not special; the special "
+                       f"{stream.tokens[0][0]!r} came first, and it is a token like any other "
+                       f"(made by the prefill): the TTFT ends when the first event arrives")
         raise Hint(f"ttft is {_ms(got)}, expected {_ms(want_ttft)} (from calling send() to the "
                    f"first token)")
     if not isinstance(gaps, (list, tuple)):
@@ -214,6 +229,12 @@ def _expect_timings(result, clock_start, stream: ScriptedStream):
     for i, (got, want) in enumerate(zip(gaps, want_gaps)):
         got = expect_number(f"gap {i} (seconds)", got)
         if abs(got - want) > 1e-9:
+            if 0 < want - got < NEAR:
+                raise Hint(f"gap {i} is {(want - got) * 1e6:.0f} µs shorter than the time "
+                           f"between tokens {i} and {i + 1}: the clock was read twice for one "
+                           f"event, and the gap began at the later reading (a real clock moves "
+                           f"between two readings); read clock() once per event and use that "
+                           f"one stamp to end one gap and begin the next")
             since_first = stamps[i + 1] - stamps[0]
             since_start = stamps[i + 1] - clock_start
             if abs(got - since_first) < NEAR or abs(got - since_start) < NEAR:
@@ -249,7 +270,7 @@ def _time_stream_checker(learner, cases):
         with cases(label):
             clock = FakeClock()
             stream = ScriptedStream(clock, **script)
-            start = clock()
+            start = clock.now
             result = learner(stream, clock=clock)
             if inspect.isgenerator(result):
                 raise Hint("time_stream returned a generator: it should return (ttft, gaps, "
@@ -275,8 +296,8 @@ def _real_clock(ttft) -> bool:
 
 def check_time_stream(learner_time_stream):
     """Lesson 07: check the learner's ``time_stream(send, clock)`` on scripted streams with a
-    fake clock (a stream with a special token, an answer of one token, a long queue): the TTFT
-    from calling ``send()`` to the first token, the gaps between consecutive tokens, the text
+    fake clock (a stream with a special token, an answer of one token, a long queue before a
+    special first token): the TTFT from calling ``send()`` to the first token, the gaps between consecutive tokens, the text
     without special tokens. Print one line; return the function the lesson should use."""
     return run_check("time_stream", learner_time_stream, _time_stream_checker,
                      fallback=time_stream_reference, causes=CLOCK_CAUSES)
@@ -393,11 +414,13 @@ def _generate_all_checker(learner, cases):
         with cases(label):
             client = FakeAsyncClient(len(requests))
             copies = [dict(r) for r in requests]
+            before = snapshot(copies)
             coroutine = _call_quietly(learner, client, copies)
             if not inspect.isawaitable(coroutine):
                 raise Hint(f"generate_all returned {type(coroutine).__name__}, not a coroutine: "
                            f"define it with `async def` and await the client's answers inside")
             got = _run_coroutine(coroutine)
+            expect_unchanged("requests", before, copies)      # the lesson sends them again
             expected = [client.answer(r["prompt"], {k: v for k, v in r.items() if k != "prompt"})
                         for r in requests]
             if len(client.sent) != len(requests):

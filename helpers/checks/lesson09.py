@@ -4,7 +4,8 @@
 course's ``helpers.speculative.verify_greedy`` on a cache of its own: guesses that are all
 right, wrong from the first one, wrong in the middle, no guesses at all, and the first pass
 (an empty cache and the whole prompt unread). The new tokens must be the same, and so must
-the cache afterwards (its length, then its keys). ``lookup`` is compared with
+the cache afterwards (its length, then its keys), and the model must run one pass.
+``lookup`` is compared with
 ``helpers.PromptLookupProposer`` on hand-made token lists, ``expected_tokens`` with the
 formula of the lesson's cost model (and must return a number). None of them may change the
 lists it is given.
@@ -18,6 +19,7 @@ from ..batching import cache_layers
 from ..generation import generate_with_cache
 from ..speculative import PromptLookupProposer, verify_greedy
 from .core import Hint, expect_close, expect_equal, expect_number, expect_unchanged, run_check
+from .lesson01 import recording
 
 __all__ = ["check_expected_tokens", "check_lookup", "check_verify", "course_expected_tokens",
            "course_lookup"]
@@ -74,7 +76,8 @@ def _verify_cases(model, tokenizer):
                 ref_cache, cache = _prefill(model, cached), _prefill(model, cached)
                 expected = verify_greedy(model, ref_cache, list(unread), list(guesses))
                 given_unread, given_guesses = list(unread), list(guesses)
-                got = learner(model, cache, given_unread, given_guesses)
+                with recording(model) as calls:
+                    got = learner(model, cache, given_unread, given_guesses)
                 expect_unchanged("unread", list(unread), given_unread)
                 expect_unchanged("guesses", list(guesses), given_guesses)
                 if isinstance(got, torch.Tensor):
@@ -124,6 +127,13 @@ def _verify_cases(model, tokenizer):
                         raise Hint(f"the cache has the right length but other keys in layer "
                                    f"{layer}: feed the unread tokens and the guesses in one pass "
                                    f"with past_key_values=cache, and crop from the end")
+                if len(calls) > 1:
+                    fed = [c["input_ids"].shape[-1] for c in calls
+                           if isinstance(c["input_ids"], torch.Tensor)]
+                    raise Hint(f"the right tokens and cache, but the model ran {len(calls)} "
+                               f"passes (fed {fed} tokens) where one is enough: feed the unread "
+                               f"tokens and every guess together, in a single pass; that one "
+                               f"pass for k guesses is what makes speculative decoding pay")
     return checker
 
 
@@ -144,7 +154,7 @@ def check_verify(learner_verify, model, tokenizer):
     all guesses right, a rejection at the first and at the third guess, no guesses, and the
     first pass; print one line and return the function the rest of the lesson should use."""
     return run_check("verify", learner_verify, _verify_cases(model, tokenizer),
-                     fallback=verify_greedy, causes=VERIFY_CAUSES)
+                     fallback=verify_greedy, causes=VERIFY_CAUSES, gpu=model)
 
 
 # ---- lookup (prompt lookup) ---------------------------------------------------------------
@@ -156,11 +166,12 @@ def course_lookup(ids, k, max_ngram=3):
 
 
 def _lookup_variant(ids, k, max_ngram, latest=True, longest_first=True, skip_tail=True,
-                    after_match=True):
+                    after_match=True, overlap=True):
     sizes = range(min(max_ngram, len(ids) - 1), 0, -1)
     for n in (sizes if longest_first else reversed(sizes)):
         tail = ids[-n:]
-        starts = range(len(ids) - n - (1 if skip_tail else 0), -1, -1)
+        last = len(ids) - n - (1 if skip_tail else 0) if overlap else len(ids) - 2 * n
+        starts = range(last, -1, -1)
         for start in (starts if latest else reversed(starts)):
             if ids[start:start + n] == tail:
                 first = start + n if after_match else start
@@ -177,46 +188,57 @@ LOOKUP_MISTAKES = [
                             "before the tail, at len(ids) - n - 1"),
     (dict(after_match=False), "the guesses are the tokens after the match, not the match itself: "
                               "ids[start + n:start + n + k]"),
+    (dict(overlap=False), "an earlier occurrence of the tail may overlap the tail itself (a "
+                          "token or a phrase repeated): try every start before the tail's, up to "
+                          "len(ids) - n - 1, not only the text before the tail (ids[:-n])"),
 ]
 
 
 def _lookup_cases(learner, cases):
     repeat = [1, 2, 3, 9, 7, 3, 8, 1, 2, 3]
     scenarios = [
-        ("the last 3 tokens found earlier", [4, 5, 6, 7, 8, 1, 4, 5, 6], 3, 3),
-        ("two earlier occurrences", [5, 6, 1, 5, 6, 2, 5, 6], 4, 3),
-        ("a 2-gram match, a 1-gram elsewhere", [5, 6, 9, 1, 6, 2, 5, 6], 2, 3),
-        ("a 3-gram and a 1-gram match", repeat, 2, 3),
-        ("fewer than k tokens after the match", [3, 1, 2, 3], 4, 3),
-        ("a repeated token", [7, 7], 3, 3),
-        ("no match", [1, 2, 3, 4], 4, 3),
-        ("a single token", [9], 2, 3),
-        ("max_ngram=1", repeat, 2, 1),
+        ("the last 3 tokens found earlier", [[4, 5, 6, 7, 8, 1, 4, 5, 6]], 3, 3),
+        ("two earlier occurrences", [[5, 6, 1, 5, 6, 2, 5, 6]], 4, 3),
+        ("a 2-gram match, a 1-gram elsewhere", [[5, 6, 9, 1, 6, 2, 5, 6]], 2, 3),
+        ("a 3-gram and a 1-gram match", [repeat], 2, 3),
+        ("fewer than k tokens after the match", [[3, 1, 2, 3]], 4, 3),
+        ("a repeated token, the match overlapping the tail", [[7, 7], [7, 7, 7, 7]], 3, 3),
+        ("no match", [[1, 2, 3, 4]], 4, 3),
+        ("a single token", [[9]], 2, 3),
+        ("max_ngram=1", [repeat], 2, 1),
     ]
-    for label, ids, k, max_ngram in scenarios:
-        with cases(f"{label}: lookup({ids}, k={k}" + (f", max_ngram={max_ngram})" if max_ngram != 3 else ")")):
-            expected = course_lookup(ids, k, max_ngram)
-            given = list(ids)
-            got = learner(given, k) if max_ngram == 3 else learner(given, k, max_ngram)
-            expect_unchanged("ids", list(ids), given)
-            if not isinstance(got, list):
-                raise Hint(f"lookup should return a list of token ids, got {type(got).__name__}")
-            if got == expected:
-                continue
-            if len(got) > k:
-                raise Hint(f"got {len(got)} guesses, at most k = {k} expected")
-            if max_ngram != 3 and got == _lookup_variant(ids, k, 3):
-                raise Hint(f"got {got}, expected {expected}: use n-grams of at most max_ngram "
-                           f"tokens (here {max_ngram})")
-            for mistake, hint in LOOKUP_MISTAKES:
-                if got == _lookup_variant(ids, k, max_ngram, **mistake):
-                    raise Hint(f"got {got}, expected {expected}: {hint}")
-            expect_equal("the guesses", got, expected)
+    for label, lists, k, max_ngram in scenarios:
+        calls = " and ".join(f"lookup({ids}, k={k}" + (f", max_ngram={max_ngram})"
+                                                       if max_ngram != 3 else ")")
+                             for ids in lists)
+        with cases(f"{label}: {calls}"):
+            for ids in lists:
+                _expect_lookup(learner, ids, k, max_ngram)
+
+
+def _expect_lookup(learner, ids, k, max_ngram) -> None:
+    expected = course_lookup(ids, k, max_ngram)
+    given = list(ids)
+    got = learner(given, k) if max_ngram == 3 else learner(given, k, max_ngram)
+    expect_unchanged("ids", list(ids), given)
+    if not isinstance(got, list):
+        raise Hint(f"lookup should return a list of token ids, got {type(got).__name__}")
+    if got == expected:
+        return
+    if len(got) > k:
+        raise Hint(f"got {len(got)} guesses, at most k = {k} expected")
+    if max_ngram != 3 and got == _lookup_variant(ids, k, 3):
+        raise Hint(f"got {got}, expected {expected}: use n-grams of at most max_ngram "
+                   f"tokens (here {max_ngram})")
+    for mistake, hint in LOOKUP_MISTAKES:
+        if got == _lookup_variant(ids, k, max_ngram, **mistake):
+            raise Hint(f"got {got}, expected {expected}: {hint}")
+    expect_equal("the guesses", got, expected)
 
 
 def check_lookup(learner_lookup):
     """Lesson 09: check the learner's ``lookup(ids, k, max_ngram=3)`` (n-gram prompt lookup)
-    against ``helpers.PromptLookupProposer`` on eight token lists; print one line and return
+    against ``helpers.PromptLookupProposer`` on ten token lists; print one line and return
     the function the rest of the lesson should use."""
     return run_check("lookup", learner_lookup, _lookup_cases, fallback=course_lookup)
 

@@ -157,7 +157,8 @@ def check_pad_batch(learner_pad_batch, device="cpu"):
     return the function the rest of the lesson should use."""
     device = torch.device(device)
     return run_check("pad_batch", learner_pad_batch,
-                     lambda learner, cases: _pad_cases(learner, cases, device), fallback=pad_batch)
+                     lambda learner, cases: _pad_cases(learner, cases, device), fallback=pad_batch,
+                     gpu=True)
 
 
 # ---- CountingBackend --------------------------------------------------------------------------
@@ -335,6 +336,11 @@ def check_break_even(learner_break_even_tokens):
 
 # ---- replay (CUDA graphs: the copy-in and the choice of graph) -----------------------------------
 
+#: The token every row of a stand-in graph's buffer holds before the first replay: what an
+#: earlier step (another batch) left there.
+STALE = 42
+
+
 class _RecordedStep:
     """A stand-in for one ``StepGraph`` of ``size`` rows, for the check: its buffers, and a
     "replay" that computes each row's next token from the buffers' contents alone (row by row,
@@ -342,7 +348,7 @@ class _RecordedStep:
 
     def __init__(self, size: int):
         self.size = size
-        self.token = torch.zeros(size, 1, dtype=torch.long)
+        self.token = torch.full((size, 1), STALE, dtype=torch.long)   # an earlier step's
         self.position = torch.zeros(1, dtype=torch.long)
         self.output = torch.zeros(size, 1, dtype=torch.long)
         self.replays = 0
@@ -370,7 +376,7 @@ def _recorded_graphs(sizes=(1, 8, 64)) -> dict:
 def _replay_cases(learner, cases):
     from ..compilation import replay_step
 
-    pad = 0
+    pad = 100                     # not 0: zeros are no padding here
     for label, batch, position in [("a batch that is a capture size (8 rows)", 8, 5),
                                    ("a batch padded up to a capture size (3 rows into 8)", 3, 9),
                                    ("a batch of one row", 1, 12),
@@ -381,7 +387,8 @@ def _replay_cases(learner, cases):
             before = token.clone()
             graphs, reference = _recorded_graphs(), _recorded_graphs()
             expected = replay_step(reference, token, torch.tensor([position]), pad)
-            got = learner(graphs, token, torch.tensor([position]), pad)
+            given_position = torch.tensor([position])
+            got = learner(graphs, token, given_position, pad)
             size = capture_size(batch, list(graphs))
             if any(g.moved() for g in graphs.values()):
                 raise Hint("a graph reads the memory it recorded: copy into its buffers "
@@ -400,6 +407,7 @@ def _replay_cases(learner, cases):
             if not torch.equal(token, before):
                 raise Hint("replay changed the token tensor it was given: copy it into the "
                            "graph's buffer, do not write into it")
+            expect_unchanged("position", torch.tensor([position]), given_position)
             if not isinstance(got, torch.Tensor):
                 raise Hint(f"replay should return a tensor (the graph's output rows), got "
                            f"{type(got).__name__}")
@@ -420,6 +428,15 @@ def _replay_cases(learner, cases):
                 raise Hint("the graph's token buffer does not hold the batch's tokens: copy "
                            "them into its first rows (pad_batch(token, graph.size, pad_token_id)"
                            " makes the rows below them) before the replay")
+            stale = (graph.token[batch:] != pad).nonzero()
+            if len(stale):
+                row = batch + int(stale[0, 0])
+                value = int(graph.token[row, 0])
+                raise Hint(f"row {row} of the graph's token buffer, below the batch's {batch} "
+                           f"rows, holds {value}"
+                           + (", what an earlier step left there" if value == STALE else "")
+                           + f": fill every row below the batch with pad_token_id ({pad} here), "
+                             f"so that the padding rows the graph computes read a known token")
             if not torch.equal(got, expected):
                 raise Hint("the rows returned are not the replay's output for this batch")
     with cases("two steps in a row: the second replay reads the second step's inputs"):
@@ -434,8 +451,8 @@ def _replay_cases(learner, cases):
 
 def check_replay(learner_replay):
     """Lesson 10: check the learner's ``replay(graphs, token, position, pad_token_id)`` (the
-    copy-in, the choice of graph, the replay, the batch's rows) on stand-in graphs that notice
-    a buffer replaced instead of filled; print one line and return the function the rest of
+    copy-in with its padding rows, the choice of graph, the replay, the batch's rows) on
+    stand-in graphs that notice a buffer replaced instead of filled; print one line and return the function the rest of
     the lesson should use."""
     from ..compilation import replay_step
 

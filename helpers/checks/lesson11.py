@@ -23,7 +23,8 @@ import torch
 
 from ..sharding import (LeftWaiting, ShardedMLP, ThreadGroup, embed_vocab_shard, run_in_threads,
                         split_columns, split_qkv, split_rows, vocab_shard)
-from .core import Hint, expect_kind, expect_shape, run_check
+from .core import (Hint, OnTheGpu, dtype_name, expect_device, expect_kind, expect_shape,
+                   expect_unchanged, run_check)
 
 __all__ = ["check_embed_vocab_shard", "check_sharded_mlp", "check_split_qkv"]
 
@@ -113,11 +114,13 @@ def _split_qkv_cases(model):
                                f"({type(got_w).__name__}, {type(got_b).__name__})")
                 hidden = w.shape[0]
                 right_shape = tuple(got_w.shape) == tuple(expected_w.shape)
-                if not right_shape and tuple(got_w.shape) == (hidden // world, w.shape[1]):
+                if (not right_shape and got_w.dim() == 2 and got_w.shape[1] == w.shape[1]
+                        and got_w.shape[0] < hidden):
                     raise Hint(f"the weight has shape {tuple(got_w.shape)}, expected "
-                               f"{tuple(expected_w.shape)}: Conv1D stores its weight as (in, "
-                               f"out), so the queries, keys and values are its columns, "
-                               f"dimension 1; you cut the rows, dimension 0")
+                               f"{tuple(expected_w.shape)}: you cut the rows, dimension 0, as "
+                               f"for an nn.Linear, whose weight is (out, in); GPT-2's c_attn is "
+                               f"a Conv1D, whose weight is (in, out) = (hidden, 3 × hidden), so "
+                               f"the queries, keys and values are its columns: cut dimension 1")
                 if not right_shape and tuple(got_w.shape) == tuple(expected_w.shape)[::-1]:
                     raise Hint(f"the weight has shape {tuple(got_w.shape)}, expected "
                                f"{tuple(expected_w.shape)}: keep Conv1D's orientation, (in, "
@@ -168,7 +171,7 @@ def check_split_qkv(learner_split_qkv, model):
     against ``helpers.sharding.split_qkv`` (eight cases); print one line and return the
     function the rest of the lesson should use."""
     return run_check("split_qkv", learner_split_qkv, _split_qkv_cases(model), fallback=split_qkv,
-                     causes={"mat1 and mat2": "Conv1D's weight is (in, out): x @ weight"})
+                     causes={"mat1 and mat2": "Conv1D's weight is (in, out): x @ weight"}, gpu=True)
 
 
 # ---- ShardedMLP.forward ------------------------------------------------------------------------
@@ -186,9 +189,12 @@ def _run_mlp(cls, mlp, x, world_size, act, step):
     rank."""
     def rank_forward(rank, comm):
         layer = cls(*_mlp_shards(mlp, rank, world_size), act, comm)
-        out = layer(x.clone())
-        calls = comm.counts().calls
-        again = layer(step.clone())
+        given = x.clone()
+        with OnTheGpu():                      # x stands for a GPU's activations
+            out = layer(given)
+            calls = comm.counts().calls
+            again = layer(step.clone())
+        expect_unchanged("x", x, given)           # the residual stream adds it back
         return out, calls, again, comm.counts().calls - calls
 
     return _on_every_rank(world_size, rank_forward,
@@ -240,6 +246,7 @@ def _sharded_mlp_cases(model):
                     expect_shape(f"{who}'s output", out, tuple(x.shape),
                                  ": (batch, tokens, hidden), like its input")
                     expect_kind(f"{who}'s output", out, x)
+                    expect_device(f"{who}'s output", out, x.device)
                     if _close(out, expected, 1e-4):
                         _second_forward(who, again, calls_again, expected_step)
                         continue
@@ -256,6 +263,16 @@ def _sharded_mlp_cases(model):
                     if _close(out, no_act, 1e-4):
                         raise Hint(f"{who}'s output is the MLP without its activation: apply "
                                    f"self.act to x @ self.fc_weight + self.fc_bias")
+                    if world > 1:
+                        fc_w, fc_b, proj_w, proj_b = _mlp_shards(mlp, rank, world)
+                        with torch.no_grad():
+                            own = mlp.act(x @ fc_w + fc_b) @ proj_w + proj_b
+                        if _close(out, own, 1e-4):
+                            raise Hint(f"{who}'s output is its own partial sum plus the bias: "
+                                       f"its sum never reached the output. all_reduce sums in "
+                                       f"place, into the tensor it is given: a copy of the "
+                                       f"partial (.clone()) got the sum and was dropped; "
+                                       f"all-reduce the partial itself")
                     raise Hint(f"{who}'s output differs from the whole MLP's "
                                f"{_first_difference(out, expected, 1e-4)}: each rank computes "
                                f"h = act(x @ fc_weight + fc_bias), its partial product h @ "
@@ -299,8 +316,9 @@ def check_sharded_mlp(learner_sharded_mlp, model):
 def _run_embedding(learner, ids, shards):
     def one(rank, comm):
         weight, start = shards[rank]
-        given = ids.clone()
-        out = learner(given, weight.clone(), start, comm)
+        given, given_weight = ids.clone(), weight.clone()
+        out = learner(given, given_weight, start, comm)
+        expect_unchanged("weight_shard", weight, given_weight)    # the model's own rows
         return out, comm.counts().calls, torch.equal(given, ids)
 
     return _on_every_rank(len(shards), one,
@@ -351,7 +369,15 @@ def _embedding_cases(model):
                         raise Hint(f"return a tensor, got {type(out).__name__}")
                     expect_shape(f"{who}'s result", out, tuple(expected.shape),
                                  ": (ids' shape, hidden)")
+                    if out.dtype != weight.dtype and out.dtype == torch.promote_types(
+                            out.dtype, weight.dtype) and weight.is_floating_point():
+                        raise Hint(f"{who}'s result holds {dtype_name(out.dtype)}, the "
+                                   f"embedding {dtype_name(weight.dtype)}: a mask in another "
+                                   f"dtype (.float()) multiplied the rows and promoted them; "
+                                   f"give the mask the rows' dtype, mine.to(weight_shard.dtype), "
+                                   f"or zero the other ids' rows with torch.where / masked_fill")
                     expect_kind(f"{who}'s result", out, weight)
+                    expect_device(f"{who}'s result", out, weight.device)
                     if torch.equal(out, expected):
                         continue
                     wrong = (out.double() - expected.double()).abs().sum(-1) > 0
@@ -363,12 +389,12 @@ def _embedding_cases(model):
                                    f"{expected[place].item():.8g}): a lookup copies rows "
                                    f"exactly, and the lesson compares them with torch.equal; "
                                    f"do no arithmetic on them but the mask")
-                    raise Hint(_embedding_hint(weight, shards, ids, out, bad_id))
+                    raise Hint(_embedding_hint(weight, shards, ids, out, bad_id, rank))
     return cases
 
 
-def _embedding_hint(weight, shards, ids, out, bad_id) -> str:
-    """Name the usual cause of a wrong embedding."""
+def _embedding_hint(weight, shards, ids, out, bad_id, rank) -> str:
+    """Name the usual cause of a wrong embedding on ``rank``."""
     def summed(piece):
         return sum(piece(w, s) for w, s in shards).double()
 
@@ -383,6 +409,14 @@ def _embedding_hint(weight, shards, ids, out, bad_id) -> str:
         mine = (ids >= s) & (ids <= s + w.shape[0])
         return w[(ids - s).clamp(0, w.shape[0] - 1)] * mine.unsqueeze(-1).to(w.dtype)
 
+    def masked(w, s):                    # the right piece of one rank
+        mine = (ids >= s) & (ids < s + w.shape[0])
+        return w[(ids - s).clamp(0, w.shape[0] - 1)] * mine.unsqueeze(-1).to(w.dtype)
+
+    if len(shards) > 1 and torch.equal(out, masked(*shards[rank])):
+        return (f"the result is this rank's own rows alone: the sum never reached it. "
+                f"all_reduce sums in place, into the tensor it is given: a copy of the rows "
+                f"(.clone()) got the sum and was dropped; all-reduce the rows themselves")
     if torch.allclose(out.double(), summed(inclusive)):
         return (f"token id {bad_id} got rows from several ranks: it is the first id of the next "
                 f"rank's share, and the mask took it too; a rank holds ids start to start + "
@@ -414,5 +448,5 @@ def check_embed_vocab_shard(learner_embed_vocab_shard, model):
     embeddings split 2, 3 and 4 ways, every rank in a thread, against the whole embedding;
     print one line and return the function the rest of the lesson should use."""
     return run_check("embed_vocab_shard", learner_embed_vocab_shard, _embedding_cases(model),
-                     fallback=embed_vocab_shard, causes=EMBEDDING_CAUSES)
+                     fallback=embed_vocab_shard, causes=EMBEDDING_CAUSES, gpu=True)
 
