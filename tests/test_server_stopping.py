@@ -195,3 +195,20 @@ def test_a_port_in_use_is_refused_before_the_model_loads():
         port = taken.getsockname()[1]
         line = refusal("--port", str(port))
     assert f"--port {port}" in line and "in use" in line
+
+
+def test_ctrl_c_while_the_model_loads_stops_quietly(tmp_path):
+    """Ctrl-C during the start-up: no traceback, status 0, nothing of the group left."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "helpers.server", "--port", "0", *FAST],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, start_new_session=True)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if "loading the model" in line:
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    output = "".join(seen) + process.communicate(timeout=60)[0]
+    assert process.returncode == 0 and "Traceback" not in output, output
+    assert group_is_empty(process.pid)
