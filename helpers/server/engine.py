@@ -440,7 +440,8 @@ class Engine:
         for row in new:
             if row.params.prompt_logprobs:
                 guarded(row, self._score_alone, row, outgoing)
-        self.deliver(outgoing)
+        if outgoing:             # (in its own process, every delivery is a message)
+            self.deliver(outgoing)
 
     def _score_alone(self, row: Sequence, outgoing: list) -> None:
         lora = self.adapters.lora
