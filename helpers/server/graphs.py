@@ -39,15 +39,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..compilation import CAPTURE_SIZES, capture_size, record
 from . import startup
-
-if TYPE_CHECKING:
-    from .runner import PackedStep
 from ..paged.attention import PackedInputs
 
 #: The columns of one row of the staging buffer: its new token, that token's position, the
@@ -100,7 +96,7 @@ class GraphedDecode:
     ``PackedStep._run`` does. ``length`` is L, the most positions a row's history may have.
     """
 
-    def __init__(self, packed: PackedStep, length: int, sizes=CAPTURE_SIZES, capture=None):
+    def __init__(self, packed: "runner.PackedStep", length: int, sizes=CAPTURE_SIZES, capture=None):
         self.packed = packed
         self.sizes = tuple(sorted(sizes))
         self.length = length
