@@ -96,7 +96,7 @@ class GraphedDecode:
     ``PackedStep._run`` does. ``length`` is L, the most positions a row's history may have.
     """
 
-    def __init__(self, packed: "runner.PackedStep", length: int, sizes=CAPTURE_SIZES, capture=None):
+    def __init__(self, packed, length: int, sizes=CAPTURE_SIZES, capture=None):
         self.packed = packed
         self.sizes = tuple(sorted(sizes))
         self.length = length
