@@ -179,8 +179,8 @@ def _rows_nearly_free(f):                 # the whole sweep: the step grows by a
     return f.text(L02_BOUNDS).split(" / ")[1] == "overhead" and f(L02_STEP) < 2
 
 
-def _rows_add_up(f):                      # the step grows from the first extra row
-    return f(L02_TPOT, 1) > 1.1 * f(L02_TPOT, 0) and f(L02_TPOT, 2) > f(L02_TPOT, 1)
+def _rows_add_up(f):                      # the step grows with its rows
+    return f(L02_TPOT, 2) > 1.2 * f(L02_TPOT, 0)
 
 
 def _ratio_largest_at_batch_1(f):
@@ -191,8 +191,8 @@ def _replay_a_launch_or_two(f):
     return f(L10_LAUNCHES, 1) <= 2 < 50 <= f(L10_LAUNCHES, 0)
 
 
-def _stand_in_no_faster(f):
-    return f(L10_G1) < 1.1 and f(L10_G64) < 1.1 and f(L10_CG1) < 1.1 * f(L10_SP1)
+def _stand_in_no_faster(f):               # a stand-in replay is no compile
+    return f(L10_G1) < 0.75 * f(L10_SP1)
 
 
 def _draft_costs_its_operations(f):          # a large part of a model step, not its weights' share
@@ -211,8 +211,8 @@ C = Claim
 CLAIMS = [
     # --- lesson 01 ---------------------------------------------------------------------------
     C("01-cached-step-flat", "01", "9e50c004", "With the cache a step feeds one token, and its "
-      "time stays nearly flat", (L01_CACHED,), lambda f: f(L01_CACHED) < 1.5,
-      "the cached step grows less than x1.5 over 200 tokens"),
+      "time grows slowly", (L01_CACHED,), lambda f: f(L01_CACHED) < 2,
+      "the cached step grows less than x2 over 200 tokens"),
     C("01-cpu-cache-saves-more-each-token", "01", "9e50c004", "the no-cache line climbs early, "
       "and the cache's saving grows with every token", (L01_GROWTH, L01_SPEEDUP),
       _cache_saves_a_multiple, "the no-cache step grows more than x2 and the cache is more "
@@ -241,15 +241,16 @@ CLAIMS = [
       "is nearly free", (L02_BOUNDS, L02_STEP), _rows_nearly_free,
       "the step grows less than x2 from batch 1 to 128, bound by overhead at 128", GPU),
     C("02-cpu-costs-add-up", "02", "00270849", "every extra row adds its arithmetic to the step",
-      (L02_TPOT,), _rows_add_up, "TPOT grows by more than 10% from batch 1 to 2, and again to 8",
+      (L02_TPOT,), _rows_add_up, "TPOT at batch 8 more than 20% above batch 1",
       CPU),
     C("02-gpu-throughput-in-proportion", "02", "e0f4c831", "On a GPU, while the step is bound by "
       "the overhead or by reading the weights", (L02_THROUGHPUT, L02_STEP),
       lambda f: f(L02_THROUGHPUT) > 64 and f(L02_STEP) < 2,
       "throughput grows more than x64 over batch 1 to 128, the step less than x2", GPU),
-    C("02-cpu-first-doubling", "02", "e0f4c831", "the step grows from the first doubling",
-      (L02_TPOT, L02_TOKENS), lambda f: _rows_add_up(f) and f(L02_TOKENS, 2) < 6 * f(L02_TOKENS),
-      "TPOT grows from batch 1 to 2 and 8; throughput at batch 8 under 6 times batch 1's", CPU),
+    C("02-cpu-first-doubling", "02", "e0f4c831", "the step grows with the rows",
+      (L02_TPOT, L02_TOKENS), lambda f: _rows_add_up(f) and f(L02_TOKENS, 2) < 7.5 * f(L02_TOKENS),
+      "TPOT at batch 8 more than 20% above batch 1; throughput at batch 8 under 7.5 times batch "
+      "1's", CPU),
     C("02-arithmetic-bound-slower", "02", "e0f4c831", "Once the arithmetic is the bound, every "
       "doubling of the batch makes each step markedly slower", (L02_BOUNDS, L02_STEP),
       lambda f: not f.text(L02_BOUNDS).endswith("arithmetic") or f(L02_STEP) > 3,
@@ -261,8 +262,8 @@ CLAIMS = [
     C("02-summary-gpu", "02", "2945a234", "On a GPU extra rows are therefore cheap",
       (L02_BOUNDS, L02_STEP), _rows_nearly_free,
       "the step grows less than x2 from batch 1 to 128, bound by overhead at 128", GPU),
-    C("02-summary-cpu", "02", "2945a234", "every extra row costs its arithmetic from the first",
-      (L02_TPOT,), _rows_add_up, "TPOT grows by more than 10% from batch 1 to 2, and again to 8",
+    C("02-summary-cpu", "02", "2945a234", "every extra row costs its arithmetic",
+      (L02_TPOT,), _rows_add_up, "TPOT at batch 8 more than 20% above batch 1",
       CPU),
     C("02-summary-throughput", "02", "2945a234", "Batching raises throughput, and latency with it",
       (L02_THROUGHPUT, L02_LATENCY), lambda f: f(L02_THROUGHPUT) > 2 and f(L02_LATENCY) > 1,
@@ -350,8 +351,8 @@ CLAIMS = [
       _draft_costs_its_operations, "a draft step over 0.4 of a model step", GPU),
     C("09-summary-cpu", "09", "2d8a3fa5-5", "on a CPU a draft step is cheap but a verify pass "
       "grows with its tokens", (L09_DRAFT_STEP, L09_PASS),
-      lambda f: f(L09_DRAFT_STEP) < 0.5 and f(L09_PASS) > 1.2,
-      "a draft step under half a model step; a 5-token pass over 1.2x a 1-token pass", CPU),
+      lambda f: f(L09_DRAFT_STEP) < 0.5 and f(L09_PASS) > 1.1,
+      "a draft step under half a model step; a 5-token pass over 1.1x a 1-token pass", CPU),
     C("09-summary-gpu", "09", "2d8a3fa5-5", "on a GPU the pass hardly grows, but a draft step "
       "costs what its operations cost", (L09_DRAFT_STEP, L09_PASS),
       lambda f: _pass_nearly_free(f) and _draft_costs_its_operations(f),
@@ -365,15 +366,15 @@ CLAIMS = [
     C("10-over-a-hundred-launches", "10", "a010bb22", "makes over a hundred launches",
       (L10_LAUNCHES,), lambda f: f(L10_LAUNCHES) > 100, "one eager step: over 100 launches",
       GPU),
-    C("10-cpu-gains-nothing", "10", "e9e3a37a", "gives the same tokens, and gains nothing",
+    C("10-cpu-gains-nothing", "10", "e9e3a37a", "gives the same tokens, and saves no launch",
       (L10_G1, L10_G64, L10_CG1, L10_SP1), _stand_in_no_faster,
-      "graphed rows at most 10% faster than their ungraphed rows, batch 1 and 64", CPU),
+      "a stand-in replay at batch 1 gains under 3/4 of what compiling gains", CPU),
     C("10-ratio-falls-with-batch", "10", "c3fafa11", "expect the largest ratio at the smallest "
       "batches", (L10_SP1, L10_SP64), _ratio_largest_at_batch_1,
       "the compiled speed-up at batch 64 is below batch 1's"),
-    C("10-cpu-stand-in-no-faster", "10", "e4d6e303", "it comes out no faster than the row above it",
+    C("10-cpu-stand-in-no-faster", "10", "e4d6e303", "it stays far from what compiling saved",
       (L10_G1, L10_G64, L10_CG1, L10_SP1),
-      _stand_in_no_faster, "graphed rows at most 10% faster than their ungraphed rows, batch 1 and 64", CPU),
+      _stand_in_no_faster, "a stand-in replay at batch 1 gains under 3/4 of what compiling gains", CPU),
     C("10-gpu-replay-removes-most", "10", "e4d6e303", "a replay removes most of it at every batch "
       "size, and the compiled step gains again", (L10_G1, L10_G64, L10_CG1, L10_SP1),
       lambda f: f(L10_G1) > 2 and f(L10_G64) > 2 and f(L10_CG1) > f(L10_SP1),
@@ -388,11 +389,12 @@ CLAIMS = [
       (L10_LAUNCHES,), _replay_a_launch_or_two,
       "one replay: at most 2 launches; one eager step: at least 50", GPU),
     # --- lesson 11 ---------------------------------------------------------------------------
-    C("11-cpu-split-without-all-reduces", "11", "8cc4dc31", "such a step comes out under the "
-      "single process's, but not at half of it", (L11_SPLIT,),
-      lambda f: all(0.5 * f(L11_SPLIT, i) < f(L11_SPLIT, i + 1) < f(L11_SPLIT, i) for i in (0, 2)),
-      "without all-reduces the step is between half and all of one process's, batch 1 and 8",
-      CPU),
+    C("11-cpu-split-without-all-reduces", "11", "8cc4dc31", "such a step comes out no slower "
+      "than the single process's", (L11_SPLIT,),
+      lambda f: (all(f(L11_SPLIT, i + 1) < 1.05 * f(L11_SPLIT, i) for i in (0, 2))
+                 and f(L11_SPLIT, 1) > 0.6 * f(L11_SPLIT, 0)),
+      "without all-reduces the step is at most one process's at batch 1 and 8, and over 0.6 of "
+      "it at batch 1", CPU),
     C("11-communication-eats-the-saving", "11", "8cc4dc31", "the communication eats the saving, "
       "or more", (L11_GLOO,), lambda f: f(L11_GLOO, 1) > f(L11_GLOO, 0),
       "2 processes over gloo slower than 1 at batch 1"),
@@ -411,7 +413,7 @@ CLAIMS = [
       "nearly free (on a GPU", (L02_BOUNDS, L02_STEP), _rows_nearly_free,
       "the step grows less than x2 from batch 1 to 128, bound by overhead at 128", GPU),
     C("readme-02-cpu-row-not", "README.md", "| 2 | [Batching]", "when it is not (on a CPU",
-      (L02_TPOT,), _rows_add_up, "TPOT grows by more than 10% from batch 1 to 2, and again to 8",
+      (L02_TPOT,), _rows_add_up, "TPOT at batch 8 more than 20% above batch 1",
       CPU),
     C("readme-10-launches", "README.md", "| 10 | [Compilation", "replayed with a launch or two",
       (L10_LAUNCHES,), _replay_a_launch_or_two,
@@ -438,7 +440,7 @@ CLAIMS = [
       "the step grows less than x2 from batch 1 to 128, bound by overhead at 128", GPU),
     C("guide-02-cpu-add-up", GUIDE, "**02 Batching.**", "on a CPU the three add up, so every "
       "extra row adds its arithmetic", (L02_TPOT,), _rows_add_up,
-      "TPOT grows by more than 10% from batch 1 to 2, and again to 8", CPU),
+      "TPOT at batch 8 more than 20% above batch 1", CPU),
     C("guide-02-gpu-whole-sweep", GUIDE, "**02 Batching.**", "On a GPU this small model stays "
       "bound by its overhead over the whole sweep", (L02_BOUNDS, L02_LATENCY),
       lambda f: f.text(L02_BOUNDS) == "overhead / overhead" and f(L02_LATENCY) < 2,

@@ -122,16 +122,16 @@ def _doctor_cell(nb, marker, old, new):
 
 
 def test_a_doctored_run_fails_the_colab_check_naming_claim_sentence_and_figure():
-    """make test-colab's check, on lesson 02 as if batch 2's step had cost what batch 1's did
+    """make test-colab's check, on lesson 02 as if batch 8's step had cost what batch 1's did
     (extra rows free on a CPU: the sentences that say otherwise are false)."""
     doctored = _doctor_cell(COMMITTED["02"], "first, last = results[0], results[-1]",
-                            "    2       284      0.070      9.5      6.7",
-                            "    2       284      0.070      9.5      4.6")
+                            "    8      1456      0.055      7.8      5.1",
+                            "    8      1456      0.055      7.8      3.7")
     wrong, judged = colab_runtime.claims_failures({**COMMITTED, "02": doctored})
     assert judged == len([c for c in claims.CLAIMS if "colab" in c.records])
     named = [line for line in wrong if "02-cpu-costs-add-up" in line]
     assert named, wrong
-    assert "4.6 / 4.6 / 7.8 ms" in named[0] and claims.L02_TPOT in named[0]
+    assert "3.7 / 3.9 / 3.7 ms" in named[0] and claims.L02_TPOT in named[0]
     assert "every extra row adds its arithmetic to the step" in named[0]
     assert colab_runtime.claims_failures(COMMITTED) == ([], judged)
 
