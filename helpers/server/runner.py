@@ -1,58 +1,37 @@
 """How a pass of the paged step runs the model: one call, three ways. (Lessons 08 and 10.)
 
 Lesson 08's ``paged_next_token`` decides which rows feed which tokens and books them; the model
-pass in the middle is what changes with the way a step runs (``paged_next_token``'s
-``forward``):
+pass in the middle (its ``forward``) is what changes with the way a step runs:
 
-* **eager**: the pass packed without padding (``compiled.PackedStep``, not compiled);
-* **compiled** (lesson 10, ``--compile``): the same pass through ``torch.compile``, its few
+* **eager**: the pass with the rows packed, no padding (``PackedStep``, not compiled);
+* **compiled** (lesson 10, ``--compile``): the same pass through ``torch.compile``, its three
   graphs compiled at start-up;
-* **CUDA graphs** (lesson 10, ``--cuda-graphs``, on a GPU): a decode pass replayed from the graph
-  of its capture size (``graphs.GraphedDecode``);
+* **CUDA graphs** (lesson 10, ``--cuda-graphs``, on a GPU): a decode pass replayed from the
+  graph of its capture size (``graphs.GraphedDecode``);
 
 and a pass in which a row uses a LoRA adapter runs lesson 08's own pass, each row with its
-adapter. ``Runner.pick(batch)`` says which; everything is compiled and captured here, at
-start-up, and nothing after (``PackedStep.seal``).
+adapter (lesson 06's adapters work per row of a padded batch). ``Runner.pick(batch)`` says
+which. Everything is compiled and captured here, at start-up, and nothing after
+(``PackedStep.seal``): a step that would need a new graph runs eager instead and is counted
+(``steps_eager_instead``), rather than stall every stream for the seconds a compile takes.
 
-**The packed pass** (``PackedStep``). A step feeds each running row its new tokens: one for a row that generates, a prompt (or a
-chunk of it) for a row that has just arrived. Lesson 08 pads them into a (rows, longest)
-batch; here they are packed one row after another into a single sequence of T tokens, as
-vLLM does: the linear layers (most of a step's arithmetic) see only real tokens, and the
-attention function regroups the queries by row (``packed_paged_attention``, beside lesson
-08's own in ``helpers.paged.attention``). (The course's
-five benchmark prompts, padded to the longest, would feed the model 1.6 times their tokens.)
+**The packed pass.** Lesson 08 pads the rows' new tokens into a (rows, longest) batch; here they
+are packed one row after another into one sequence of T tokens, as vLLM does: the linear layers
+see only real tokens, and the attention regroups the queries by row
+(``packed_paged_attention``, beside lesson 08's own in ``helpers.paged.attention``). What keeps
+``torch.compile`` to three graphs, not one per step:
 
-On a small model most of a decode step's time is Python and per-op dispatch, not arithmetic
-(lesson 10): ``torch.compile`` traces the model once, and inductor turns the trace into a
-few fused kernels. What keeps it to a few traces, not one per step:
-
-* **the cache keeps its shape.** Lesson 08's pool of KV blocks is allocated once; a step
-  writes each new token's keys and values into it in place (``index_copy_``) and reads each
-  row's history back through its pool indices. (Lesson 03's contiguous cache grows by one
-  column a step: a new shape every step.)
-* **the sizes that do change are dynamic**: T tokens, R rows, Q new tokens at most a row, L
-  positions in the longest history. They are marked dynamic, so one graph serves every decode
-  step (Q = 1) of two rows or more and one every step that reads prompts (Q > 1). torch
-  compiles a size of 1 apart: the decode step of a single row gets a graph of its own (the
-  most frequent step of all), and a single row that reads a prompt gets a second row on the
-  scratch block instead of a fourth graph. The three graphs are compiled at start-up
-  (``warm_up``), on a scratch block that no request owns.
-* **attention reads the pool in place.** In a compiled decode step the attention is written
-  as two sums over the pool's entries (``in_place_decode_attention``), which inductor turns
-  into loops that read each row's history where it lies, with no copy: what vLLM's
-  PagedAttention kernel does by hand. Eager, the step uses lesson 08's gather and SDPA.
-* **the rest stays eager.** Batches in which a row uses a LoRA adapter run lesson 08's
-  ``paged_next_token`` unchanged: lesson 06's adapters work per row of a padded batch.
-
-On a GPU each kernel is also a launch from the CPU, and a decode step of a small model is
-bound by those launches: ``graphs.py`` captures the decode step as CUDA graphs, one per
-*capture size*, and pads each decode batch up to the next size (lesson 10).
-
-Every compile is counted (``compiles`` and ``compile_seconds`` in ``/metrics``), and none
-happens after start-up: once the server is ready (``seal``), a step that would need a new
-graph runs eager instead, and is counted (``steps_eager_instead``), rather than stall every
-client's stream for the seconds a compile takes. (The layers an adapter could change are
-wrapped before compiling, so loading an adapter changes nothing the graphs were traced from.)
+* **the cache keeps its shape**: lesson 08's pool is allocated once; a step writes each new
+  token's keys and values into it in place (``index_copy_``) and reads each row's history by
+  pool index (lesson 03's contiguous cache grows by a column a step: a new shape every step);
+* **the sizes that change are dynamic**: T tokens, R rows, Q new tokens at most a row, L
+  positions in the longest history. One graph serves every decode step (Q = 1) of two rows or
+  more, one every step that reads prompts (Q > 1), and one the decode step of a single row
+  (torch compiles a size of 1 apart; a single row reading a prompt gets a second row on the
+  scratch block instead of a fourth graph);
+* **attention reads the pool in place**: in a compiled decode step it is written as two sums
+  over the pool's entries (``in_place_decode_attention``), which inductor turns into loops that
+  read each row's history where it lies: what vLLM's PagedAttention kernel does by hand.
 """
 
 from __future__ import annotations
