@@ -12,12 +12,13 @@ A decode step of B rows (one new token each, with the KV cache) must at least
   PyTorch's dispatcher, and on a GPU a kernel launch), a few microseconds each, a couple of
   hundred operations per step for a small model, whatever the batch and the width.
 
-The three happen partly at the same time, so the step takes about the largest of them: that
-one is the step's *bound*, and it decides what makes the step faster. A big model at a small
-batch reads weights (memory-bound: batching is nearly free, quantizing the weights helps); a
-big batch does arithmetic (compute-bound); a small model whose weights take microseconds to
-read, on a GPU, waits for the CPU to start its kernels (overhead-bound: fusing operations and
-CUDA graphs help, lesson 10; batching is nearly free too).
+On a GPU the three happen largely at the same time, so the step takes about the largest of
+them: that one is the step's *bound*, and it decides what makes the step faster. A big model
+at a small batch reads weights (memory-bound: an extra row is nearly free, quantizing the
+weights helps); a big batch does arithmetic (compute-bound); a small model whose weights take
+microseconds to read waits for the CPU to start its kernels (overhead-bound: fusing operations
+and CUDA graphs help, lesson 10). On a CPU the same cores do all three one after another, so
+they add up, and every extra row adds its arithmetic (lesson 02 measures both).
 
 ``measure_rates`` measures this device's bandwidth and arithmetic rate; ``step_overhead``
 measures the overhead by timing the same model shrunk to a width of a few numbers, whose

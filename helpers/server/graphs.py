@@ -1,4 +1,4 @@
-"""CUDA graphs for the paged engine's decode steps: each step replayed with one launch.
+"""CUDA graphs for the paged layout's decode passes: each replayed with a launch or two.
 (Lessons 08 and 10.)
 
 On a GPU a small model's decode step is bound by kernel launches, not by the GPU: every
