@@ -16,7 +16,8 @@ torchao 0.10, ipywidgets 7.7.1, IPython 7.34, ...). It
    are not compared: a cell that raises fails the notebook. Each notebook's version line (its
    setup cell's first line) is shown;
 4. judges the course's claims (scripts/claims.py) on the lessons it executed: every sentence
-   that speaks for a laptop's CPU must hold on this run's figures too.
+   on counts, sizes and tokens must hold on this run's figures too (its times are not judged:
+   two notebooks share the cores, see ``claims.NOT_TIMES``).
 
 Exits 1 when a notebook failed or a claim does not hold. Step 2 changes the environment (it installs the course and
 upgrades torchao); the next run's step 1 undoes that.
