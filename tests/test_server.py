@@ -389,6 +389,48 @@ def test_32_concurrent_streams_with_mixed_adapters(server, reference):
     assert after["running"] == 0 and after["waiting"] == 0
 
 
+# --- min_p, in both dialects; TGI's /tokenize ----------------------------------------------------
+
+def test_min_p_of_one_samples_the_greedy_answer_on_both_routes(server, reference):
+    """min_p keeps the tokens at least min_p times as likely as the likeliest: at 1 only the
+    likeliest is left, so a sampled answer is the greedy one, through LoRAX's parameters and
+    OpenAI's body alike; out of its range it is refused, naming the field as the client
+    wrote it."""
+    prompt, n = COURSE_PROMPTS[0], 12
+    want = reference(prompt, n)
+    lorax_answer = httpx.post(server + "/generate", timeout=60, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": True,
+                                         "temperature": 1.5, "seed": 3, "min_p": 1.0}})
+    assert lorax_answer.status_code == 200 and lorax_answer.json()["generated_text"] == want
+    openai_answer = httpx.post(server + "/v1/completions", timeout=60, json={
+        "model": "bundled", "prompt": prompt, "max_tokens": n, "temperature": 1.5, "seed": 3,
+        "min_p": 1.0})
+    assert openai_answer.status_code == 200
+    assert openai_answer.json()["choices"][0]["text"] == want
+    for path, body, field in (
+            ("/generate", {"inputs": prompt, "parameters": {"min_p": 1.5}}, "parameters.min_p"),
+            ("/v1/completions", {"model": "bundled", "prompt": prompt, "min_p": -0.1}, "min_p")):
+        refused = httpx.post(server + path, json=body, timeout=30)
+        assert refused.status_code == 422 and f"`{field}` must be between 0 and 1" in refused.text
+
+
+def test_tokenize_gives_the_prompts_tokens_with_their_offsets(server, reference):
+    """TGI's /tokenize: the tokens a prompt is read as (client text never becomes a special
+    token), each with its text and where it starts and stops in the input."""
+    tokenizer = reference.tokenizer
+    text = "Jack and Jill <|endoftext|> went up"
+    reply = httpx.post(server + "/tokenize", json={"inputs": text}, timeout=30)
+    assert reply.status_code == 200
+    tokens = reply.json()
+    assert [t["id"] for t in tokens] == tokenizer(text, split_special_tokens=True)["input_ids"]
+    assert tokenizer.eos_token_id not in [t["id"] for t in tokens]
+    assert all(t["text"] == text[t["start"]:t["stop"]] for t in tokens)
+    assert "".join(text[a["stop"]:b["start"]] for a, b in zip(tokens, tokens[1:])).strip() == ""
+    assert tokens[0]["start"] == 0 and tokens[-1]["stop"] == len(text)
+    missing = httpx.post(server + "/tokenize", json={"parameters": {}}, timeout=30)
+    assert missing.status_code == 422 and "inputs" in missing.text
+
+
 def test_a_client_that_leaves_frees_its_slot(small_server, reference):
     """Two slots: two long streams run, a third request waits; the first one's client leaves;
     the waiting request gets its slot, and the other long one is undisturbed."""
@@ -854,45 +896,3 @@ def test_paged_engine_metrics_count_prefix_cache_hits(tiny_llama):
     assert hits[2] - hits[1] >= 16 * shared_blocks and hits[3] - hits[2] >= 16 * shared_blocks
     assert all(page["kv_blocks_total"] == engine.kv.cache.manager.num_blocks for page in pages)
     assert pages[-1]["kv_blocks_used"] == 0                    # all done: every block free
-
-
-# --- min_p, in both dialects; TGI's /tokenize ----------------------------------------------------
-
-def test_min_p_of_one_samples_the_greedy_answer_on_both_routes(server, reference):
-    """min_p keeps the tokens at least min_p times as likely as the likeliest: at 1 only the
-    likeliest is left, so a sampled answer is the greedy one, through LoRAX's parameters and
-    OpenAI's body alike; out of its range it is refused, naming the field as the client
-    wrote it."""
-    prompt, n = COURSE_PROMPTS[0], 12
-    want = reference(prompt, n)
-    lorax_answer = httpx.post(server + "/generate", timeout=60, json={
-        "inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": True,
-                                         "temperature": 1.5, "seed": 3, "min_p": 1.0}})
-    assert lorax_answer.status_code == 200 and lorax_answer.json()["generated_text"] == want
-    openai_answer = httpx.post(server + "/v1/completions", timeout=60, json={
-        "model": "bundled", "prompt": prompt, "max_tokens": n, "temperature": 1.5, "seed": 3,
-        "min_p": 1.0})
-    assert openai_answer.status_code == 200
-    assert openai_answer.json()["choices"][0]["text"] == want
-    for path, body, field in (
-            ("/generate", {"inputs": prompt, "parameters": {"min_p": 1.5}}, "parameters.min_p"),
-            ("/v1/completions", {"model": "bundled", "prompt": prompt, "min_p": -0.1}, "min_p")):
-        refused = httpx.post(server + path, json=body, timeout=30)
-        assert refused.status_code == 422 and f"`{field}` must be between 0 and 1" in refused.text
-
-
-def test_tokenize_gives_the_prompts_tokens_with_their_offsets(server, reference):
-    """TGI's /tokenize: the tokens a prompt is read as (client text never becomes a special
-    token), each with its text and where it starts and stops in the input."""
-    tokenizer = reference.tokenizer
-    text = "Jack and Jill <|endoftext|> went up"
-    reply = httpx.post(server + "/tokenize", json={"inputs": text}, timeout=30)
-    assert reply.status_code == 200
-    tokens = reply.json()
-    assert [t["id"] for t in tokens] == tokenizer(text, split_special_tokens=True)["input_ids"]
-    assert tokenizer.eos_token_id not in [t["id"] for t in tokens]
-    assert all(t["text"] == text[t["start"]:t["stop"]] for t in tokens)
-    assert "".join(text[a["stop"]:b["start"]] for a, b in zip(tokens, tokens[1:])).strip() == ""
-    assert tokens[0]["start"] == 0 and tokens[-1]["stop"] == len(text)
-    missing = httpx.post(server + "/tokenize", json={"parameters": {}}, timeout=30)
-    assert missing.status_code == 422 and "inputs" in missing.text
