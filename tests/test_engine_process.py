@@ -227,18 +227,26 @@ def test_a_hung_engine_process_gets_503s_and_late_answers_are_undone(monkeypatch
         engine.stop()
 
 
-def test_metrics_still_answer_when_the_engine_process_is_gone():
+def getter(engine):
+    """``await get(path)``: a GET of the server's app for ``engine``, in this process (no
+    socket)."""
     import httpx
 
     from helpers.server import create_app
 
-    engine = EngineProcess(settings()).start()
     app = create_app(engine, manage_engine=False)
 
     async def get(path):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
             return await c.get(path)
+
+    return get
+
+
+def test_metrics_still_answer_when_the_engine_process_is_gone():
+    engine = EngineProcess(settings()).start()
+    get = getter(engine)
 
     try:
         assert "helpers_server_up 1" in asyncio.run(get("/metrics")).text
@@ -272,17 +280,8 @@ def test_counters_never_go_down_across_a_restart_and_cut_requests_count_as_faile
     """The engine process dies with two requests running: /health says so at once, and
     after the restart no counter of /metrics is lower than before, the requests the engine
     had counted are still counted, and the two cut ones are counted as failed by reason."""
-    import httpx
-
-    from helpers.server import create_app
-
     engine = EngineProcess(settings()).start()
-    app = create_app(engine, manage_engine=False)
-
-    async def get(path):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
-            return await c.get(path)
+    get = getter(engine)
 
     async def two_running_then_killed():
         queue = asyncio.Queue()
