@@ -92,7 +92,7 @@ check: $(STAMP_LAB)
 	$(PY) scripts/check_setup.py
 
 test: $(STAMP)
-	$(PY) -m pytest -p no:cacheprovider tests lessons --ignore=tests/compat --nbval --nbval-current-env \
+	$(PY) -m pytest -p no:cacheprovider -rs tests lessons --ignore=tests/compat --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 	# the server's tests again on lesson 03's contiguous KV cache (the default is lesson 08's
 	# paged one, with lesson 10's compiled step: python -m helpers.server --kv-cache contiguous)

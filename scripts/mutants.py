@@ -1,4 +1,4 @@
-"""Small variants of a piece of Python (mutants), for testing the learners' checks.
+r"""Small variants of a piece of Python (mutants), for testing the learners' checks.
 
     from mutants import mutants
     for mutant in mutants(source, lines=range(5, 12)):
