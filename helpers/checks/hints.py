@@ -236,10 +236,13 @@ HINTS: dict[str, Hints] = {
         "for n …: tail = …; for start …: if match: return the (at most k) tokens after it. "
         "After both loops: return [].")),
     "expected_tokens": Hints("09", "check_expected_tokens", (
-        "A pass writes 1 + α + α² + … + α^k tokens on average. The closed form divides by "
-        "1 − α; at α = 1 every guess passes, and the pass writes k + 1 tokens.",
-        "(1 − alpha ** (k + 1)) / (1 − alpha), and a condition for alpha = 1.",
-        "return the closed form when alpha < 1, else k + 1.")),
+        "A pass always writes the model's own token; it writes guess i as well only when "
+        "guesses 1 … i all pass, with probability α^i. The average is the sum of these chances, "
+        "one per token the pass may write.",
+        "1 + α + α² + … + α^k is a geometric series, (1 − alpha ** (k + 1)) / (1 − alpha); that "
+        "divides by 1 − α, which is 0 at alpha = 1, where every guess passes.",
+        "return the closed form when alpha < 1, else ___ (the tokens a pass writes when every "
+        "guess passes).")),
     # ---- 10 ---------------------------------------------------------------------------------
     "CountingBackend": Hints("10", "check_counting_backend", (
         "torch.compile calls its backend once per compilation, with the graph it traced, and "
