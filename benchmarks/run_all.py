@@ -33,7 +33,7 @@ from benchmarks.targets import BATCHING, LORA, PAGED, QUANTIZATION, SERVER, SPEC
 
 HERE = pathlib.Path(__file__).resolve().parent
 #: Reports written apart from this run (``make bench-vllm``), linked from the summary.
-APART = ("bench_vllm", "profile_servers")
+APART = ("bench_vllm",)
 RESULTS = HERE / "results"
 
 #: script, the JSON/markdown name it writes, and what it covers. (Each runs as the module
@@ -254,10 +254,7 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
         lines += markdown_table(["benchmark", "covers", "wall time", "exit"], rows, "llrl") + [""]
     what = {"bench_vllm": "from `make bench-vllm` (the course server beside real vLLM, "
                           "defaults against defaults, 1, 16 and 64 streaming clients; plot: "
-                          "[vllm.png](vllm.png))",
-            "profile_servers": "from `python -m benchmarks.vllm.profile` or `python -m "
-                               "benchmarks.vllm.compare --profile` (where each server's time "
-                               "goes, py-spy)"}
+                          "[vllm.png](vllm.png))"}
     apart = [f"[{name}.md]({name}.md) {what[name]}" for name in APART
              if (out / f"{name}.md").exists()]
     if apart:

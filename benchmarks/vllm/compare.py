@@ -2,7 +2,6 @@
 
     python -m benchmarks.vllm.compare             # 5 turns, then vLLM --enable-lora once (~5 min)
     python -m benchmarks.vllm.compare --quick     # 2 turns, no LoRA check (~2 min)
-    python -m benchmarks.vllm.compare --profile   # then profile.py on the same servers
 
 ``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
 passes its Python in ``VLLM_PYTHON`` (``serve.py`` says why it is an environment of its
@@ -129,14 +128,6 @@ def main(argv=None) -> int:
         runs = side_by_side(servers, args.levels, args.new_tokens, args.turns, idle_first=True)
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
-        if args.profile:
-            from benchmarks.vllm import profile as profiler
-
-            targets = {"ours": profiler.our_target(our_url, ours.pid),
-                       "vllm": profiler.vllm_target(vllm)}
-            profiled = profiler.profile(targets, args.levels, args.new_tokens,
-                                        5.0 if args.quick else 10.0)
-            write_results(args.out, profiler.NAME, profiled, profiler.markdown(profiled))
     result["levels"] = [level_row(n, runs[n]) for n in args.levels]
     if args.check_lora:
         print("starting vLLM with --enable-lora, to record what it says ...", flush=True)
@@ -163,9 +154,6 @@ def parse_args(argv=None):
     parser.add_argument("--check-lora", action=argparse.BooleanOptionalAction, default=None,
                         help="start vLLM once more with --enable-lora and record what it says "
                              "(default: on, off with --quick)")
-    parser.add_argument("--profile", action="store_true",
-                        help="then sample both servers' processes with py-spy at each level "
-                             "(profile.py; writes profile_servers.md)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                         help="output folder")
     args = parser.parse_args(argv)
