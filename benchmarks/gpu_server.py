@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import PROMPTS
-from benchmarks.engines import make_engine, stand_in_capture
 from benchmarks.serving import at_once, figures, jobs
 from helpers import load_model
 from helpers.batching import generate_sequential
-from helpers.server import serve_in_background
+from helpers.compilation import rerun_each_replay
+from helpers.server import Engine, serve_in_background
 from helpers.server.contract import ErrorEvent, GenerationParams, Submission, TokenEvent
 
 ADAPTERS = ["entities", "rhymes", "sad", "title"]
@@ -53,9 +53,11 @@ TARGETS = {"gap_ms_1_client": 0.7, "step_ms_1_row": 0.3, "graphs_speedup_64": 1.
 # --- in-process engines -----------------------------------------------------------------------
 
 def start_engine(graphs: bool, device: str, capture=None):
+    """The server's engine in this process (to hand it requests and read its counters without
+    HTTP in between), compiled, with CUDA graphs on or off, started."""
     model, tokenizer = load_model(device=device)
-    return make_engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
-                       cuda_graphs="on" if graphs else "off", capture=capture)
+    return Engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
+                  cuda_graphs="on" if graphs else "off", capture=capture).start()
 
 
 def submit_all(engine, requests, spacing: float = 0.0) -> list[list[int]]:
@@ -221,9 +223,8 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
     if not cuda and not allow_cpu:
         raise RuntimeError("the GPU server check needs a CUDA device")
     device = "cuda" if cuda else "cpu"
-    capture = None
-    if not cuda:                      # a CPU: the stand-in capture, to check this script
-        capture = stand_in_capture()
+    # On a CPU, the stand-in capture (each replay runs the step again), to check this script.
+    capture = None if cuda else rerun_each_replay
     lines, checks, figures = [f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}"], {}, {}
 
     def left() -> float:

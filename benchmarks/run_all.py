@@ -162,16 +162,6 @@ def lora_rows(lora, add) -> None:
             real["peft_over_ours_total_s"] >= LORA["peft_over_ours"])
         add("  ceiling of that ratio: peft / base model with no adapters",
             _x(real["peft_over_base_total_s"]))
-    grid = lora.get("real_grid", {})
-    for cell in grid.get("cells", []):
-        if cell["batch"] == 32 and cell["distinct"] in (4, 32):
-            add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct of "
-                f"{grid['adapters']} loaded random adapters (time ratio)",
-                _x(cell["peft_over_ours"]))
-    for cell in grid.get("few_loaded", []):
-        if cell["batch"] == 32:
-            add(f"the same with only those {cell['peft_adapters_loaded']} adapters loaded in "
-                "peft", _x(cell["peft_over_ours"]))
 
 
 def server_rows(server, add) -> None:

@@ -160,7 +160,7 @@ def test_summary_of_the_committed_results(tmp_path):
     assert len(targets) >= 8
     assert all(r[3] in ("met", "**missed**") for r in targets)
     for words in ("KV cache vs no cache, 400 new tokens", "long-tailed", "torchao",
-                  "distinct of 64 loaded", "64 concurrent clients"):
+                  "ours vs peft mixed batch", "64 concurrent clients"):
         assert any(words in r[0] for r in rows), words
     assert "cores" in text and "min**" in text  # the machine, and the total time
 
