@@ -4,8 +4,6 @@ versus transformers.
     python -m benchmarks.bench_batching            # full run (a few minutes on a laptop CPU)
     python -m benchmarks.bench_batching --quick    # fewer repetitions, for a smoke test
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 What it measures, on the course's queue (32 requests, batch size 8, every 8th request wants
 100 tokens and the others 10; the five course prompts in turn):
 
@@ -29,8 +27,6 @@ average before the run is recorded with them.
 
 from __future__ import annotations
 
-import argparse
-import pathlib
 import random
 import statistics
 import sys
@@ -40,8 +36,8 @@ import transformers
 
 from benchmarks import PROMPTS
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, begin, markdown_table, min_max, numbers,
+                                   positive_int, run_facts, verdicts, write_results)
 from benchmarks.targets import BATCHING as TARGETS
 from benchmarks.timing import time_in_turns, traced
 from helpers import load_model
@@ -49,7 +45,6 @@ from helpers.batching import (generate_batched, generate_continuous, generate_st
                               ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
 LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 
@@ -57,7 +52,6 @@ LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 def course_queue(n=32, every=8, long=100, short=10):
     """The lesson-03 queue: every ``every``-th request wants ``long`` tokens, the rest ``short``."""
     return [(PROMPTS[i % len(PROMPTS)], long if i % every == 0 else short) for i in range(n)]
-
 
 
 def long_tailed_queue(n=128, seed=0, scale=8, alpha=1.5, cap=200):
@@ -262,23 +256,12 @@ def long_tail_markdown(lt):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (after a warm-up)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: the bundled model is so small that a "
-                             "second thread only adds waiting, and far more of it when anything "
-                             "else runs on the machine)")
+    parser = arguments(__doc__, "2 repetitions instead of 5")
+    parser.add_argument("--reps", type=positive_int, help="repetitions (after a warm-up)")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 5)
-    if reps < 1:
-        parser.error("--reps must be at least 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
+    out = begin(args)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
     result = {
@@ -304,7 +287,7 @@ def main(argv=None):
         result["long_tail"]["generate_batch"] = run_generate_batch(
             model, tokenizer, long_queue, reps, stop_at_eos=False, batch_size=LONG_BATCH_SIZE)
     result["targets_met"] = targets_met(result)
-    plot(result, pathlib.Path(args.out) / "batching.png")
+    plot(result, out / "batching.png")
     write_results(args.out, "bench_batching", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 

@@ -4,8 +4,6 @@ from what the hardware allows (lesson 01, and the roofline behind lessons 02-04)
     python -m benchmarks.bench_decoding            # full run (about 3 minutes on 2 CPU cores)
     python -m benchmarks.bench_decoding --quick    # fewer repetitions, no compile, small grid
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 1. KV cache versus no cache, for 50, 100, 200 and 400 new tokens after a short prompt (greedy,
    EOS ignored, so every run makes exactly that many tokens). ``generate_no_cache`` re-reads
    the whole sequence at every step, so its time grows with the square of the length;
@@ -27,10 +25,8 @@ Writes benchmarks/results/decoding.json, decoding.md, kv_cache.png and roofline.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
-import pathlib
 import statistics
 import sys
 import tempfile
@@ -40,17 +36,14 @@ import torch
 import transformers
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   verdicts, write_results)
+from benchmarks.results_io import (arguments, begin, load_average, machine, markdown_table,
+                                   min_max, numbers, positive_int, verdicts, write_results)
 from benchmarks.roofline import bench_roofline, plot_roofline, roofline_markdown
 from benchmarks.timing import Candidate, time_in_turns, timed_once
 from helpers.generation import generate_no_cache, generate_with_cache
 from helpers.models import load_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
-
 
 
 # --- 1. KV cache versus no cache ------------------------------------------------------------
@@ -228,21 +221,14 @@ def compile_markdown(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="2 repetitions, no torch.compile, a smaller roofline grid")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 2)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1, as in the lessons)")
-    ap.add_argument("--context", type=int, default=64, help="KV positions in the roofline steps")
+    ap = arguments(__doc__, "2 repetitions, no torch.compile, a smaller roofline grid")
+    ap.add_argument("--reps", type=positive_int, help="repetitions (default 3, quick 2)")
+    ap.add_argument("--context", type=positive_int, default=64,
+                    help="KV positions in the roofline steps")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile part")
-    ap.add_argument("--out", default=str(RESULTS), help="output folder")
     args = ap.parse_args(argv)
     reps = args.reps or (2 if args.quick else 3)
-    if reps < 1 or args.threads < 1 or args.context < 1:
-        ap.error("--reps, --threads and --context must be at least 1")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     # A fresh inductor cache: the compile time reported is that of a first, cold compile.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 
@@ -272,8 +258,6 @@ def main(argv=None):
         "same tokens everywhere": all(r["same_tokens"] for r in result["kv_cache"])
         and all(r["same_tokens"] for r in result.get("compile", [])),
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     plot_kv(result["kv_cache"], out / "kv_cache.png")
     plot_roofline(result["roofline"], out / "roofline.png")
     write_results(out, "decoding", result, markdown(result))

@@ -3,8 +3,6 @@
     python -m benchmarks.bench_grammar            # full run (a few minutes: slow cases are cut)
     python -m benchmarks.bench_grammar --quick    # fewer repetitions, shorter cut-off
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 For every grammar engine installed here (outlines-core, llguidance, xgrammar; one that is not
 installed is skipped, and the report says so) and every case, in a fresh process each:
 
@@ -38,8 +36,8 @@ import threading
 import time
 
 from benchmarks.grammar_engines import ENGINE_CLASSES, ENGINES
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, load_average, machine, markdown_table, numbers,
+                                   verdicts, write_results)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WALK = 64          # tokens of the random walk that prices the mask
@@ -302,10 +300,8 @@ def checks(result: dict) -> dict[str, bool]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="2 repetitions instead of 5, cases cut after 10 s instead of 30 s")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    parser = arguments(__doc__, "2 repetitions instead of 5, cases cut after 10 s instead of "
+                                "30 s", threads=False)
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

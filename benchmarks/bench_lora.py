@@ -3,8 +3,6 @@
     python -m benchmarks.bench_lora              # about a minute (1 torch thread, 2-core CPU)
     python -m benchmarks.bench_lora --quick      # a smoke test of everything (about 30 s)
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 1. The toy model (hidden 1024, ten colour words) with 64 random adapters of rank 2: the time
    of one decoding step (one token per row) for batch sizes 1..64, with the adapters' part
    computed by ``linear_lora_loop`` (one row at a time) or ``linear_lora_gathered``
@@ -27,7 +25,6 @@ tables) and lora_toy.png, and prints the markdown. Exits with status 1 when a ch
 fails (tokens or logits that differ).
 """
 
-import argparse
 import datetime
 import os
 import pathlib
@@ -39,15 +36,14 @@ import warnings
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
+from benchmarks.results_io import (arguments, begin, load_average, machine, markdown_table,
+                                   numbers, positive_int, write_results)
 from benchmarks.timing import calls_per_sample, time_in_turns
 from helpers.corpus import task_examples, task_prompt
 from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel, linear_lora_gathered,
                           linear_lora_loop, load_adapters, random_adapters, shipped_adapters)
 from helpers.models import load_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 #: The model of part 3 (the shipped adapters need it).
 MODEL = "bundled"
 
@@ -334,21 +330,8 @@ def real_markdown(real) -> list[str]:
 
 # --- command line ---------------------------------------------------------------------------
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke test: 1 repetition (4 in the grids), answers of at most "
-                         "20 tokens")
+    ap = arguments(__doc__, "1 repetition (4 in the toy parts), answers of at most 20 tokens")
     ap.add_argument("--adapters", type=positive_int, default=64,
                     help="random adapters of the toy model (the toy grid uses at most this many)")
     ap.add_argument("--rank", type=positive_int, default=2, help="rank of the toy adapters")
@@ -360,18 +343,13 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="repetitions of part 3 (default 5, 1 with --quick); parts 1 and 2 "
                          "take 4 times as many")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="torch threads (default 1, as in the lessons: lesson 06 times its "
-                         "figures on one thread)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the bundled model runs (the toy model stays on the CPU)")
     ap.add_argument("--skip-real", action="store_true", help="only the toy model (parts 1 and 2)")
-    ap.add_argument("--out", type=pathlib.Path, default=RESULTS,
-                    help="output folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device here")
-    if args.out.exists() and not args.out.is_dir():
+    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
         ap.error(f"--out {args.out}: exists and is not a folder")
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.tokens = args.tokens or (20 if args.quick else 80)
@@ -384,11 +362,10 @@ def main(argv=None) -> int:
     import transformers
 
     started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     load = load_average()
-    result = {"date": datetime.date.today().isoformat(),
-              "args": {**vars(args), "out": str(args.out)}, "repeats": args.repeats,
+    out = begin(args)
+    result = {"date": datetime.date.today().isoformat(), "args": vars(args),
+              "repeats": args.repeats,
               "machine": {"device": (torch.cuda.get_device_name() if args.device == "cuda"
                                      else f"{platform.machine()} CPU"),
                           "cpu": machine(), "cores": os.cpu_count(),
@@ -412,9 +389,8 @@ def main(argv=None) -> int:
         checks.append(result["real"]["identical_tokens"])
     result["checks_passed"] = all(checks)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_toy(result, args.out / "lora_toy.png")
-    write_results(args.out, "lora", result, markdown(result))
+    plot_toy(result, out / "lora_toy.png")
+    write_results(out, "lora", result, markdown(result))
     print(f"{time.perf_counter() - started:.0f} s in all; checks "
           f"{'passed' if all(checks) else 'FAILED'}", flush=True)
     return 0 if all(checks) else 1

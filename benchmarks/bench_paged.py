@@ -3,8 +3,6 @@
     python -m benchmarks.bench_paged            # full run (under a minute on a laptop CPU)
     python -m benchmarks.bench_paged --quick    # fewer repetitions, for a smoke test
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 What it measures, side by side in one run, on the bundled model:
 
 1. requests running at once in one KV budget (the memory of 8 of the course queue's longest
@@ -25,26 +23,22 @@ table. Exits with status 1 only when a same-tokens check fails.
 
 from __future__ import annotations
 
-import argparse
 import math
-import pathlib
 import statistics
 import sys
 
-import torch
 import transformers
 
 from benchmarks.bench_batching import course_queue
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, begin, markdown_table, min_max, numbers, run_facts,
+                                   verdicts, write_results)
 from benchmarks.targets import PAGED as TARGETS
 from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
 from helpers.paged import PagedKVCache, generate_paged, worst_inter_token_gap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
 BLOCK = 16
 CHUNK = 32
@@ -220,15 +214,11 @@ def markdown(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser = arguments(__doc__, "2 repetitions instead of 5")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     args = parser.parse_args(argv)
     reps = 2 if args.quick else 5
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
     result = {"model": args.model or "bundled", "reps": reps, **run_facts()}
@@ -241,8 +231,7 @@ def main(argv=None):
     print(f"chunked prefill (x{reps}) ...", flush=True)
     result["chunked"] = chunked_prefill(model, tokenizer, reps)
     result["targets_met"] = targets_met(result)
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, pathlib.Path(args.out) / "paged.png")
+    plot(result, out / "paged.png")
     write_results(args.out, "bench_paged", result, markdown(result))
     return 0 if result["targets_met"]["same tokens everywhere"] else 1
 

@@ -3,8 +3,6 @@
     python -m benchmarks.bench_speculative            # full run (a few minutes on a laptop CPU)
     python -m benchmarks.bench_speculative --quick    # fewer prompts and repetitions (< 1 min)
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
 What it measures, side by side in one run (each round runs every candidate once, in turn):
 
 1. the copy-heavy task of lesson 09: the answer repeats the prompt (a nursery rhyme followed
@@ -27,14 +25,13 @@ and prints the table. Exits with status 1 when a target or a same-text check is 
 
 from __future__ import annotations
 
-import argparse
-import pathlib
 import sys
 
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import markdown_table, numbers, run_facts, verdicts, write_results
+from benchmarks.results_io import (arguments, begin, markdown_table, numbers, run_facts, verdicts,
+                                   write_results)
 from benchmarks.targets import SPECULATIVE as TARGETS
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
@@ -42,7 +39,6 @@ from helpers.corpus import RHYMES, corpus
 from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
                                  speculative_generate, transformers_speculative)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOOKUP_K, DRAFT_KS, HF_DRAFT_K = 8, (1, 2, 4), 2
 COPY_TOKENS, STORY_TOKENS = 60, 48
 
@@ -226,14 +222,9 @@ def targets_met(result) -> dict[str, bool]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 story prompts, 2 repetitions")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__, "4 story prompts, 2 repetitions").parse_args(argv)
     reps, n = (2, 4) if args.quick else (5, 8)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     model, tokenizer = load_model(device="cpu")
     draft, _ = load_model(DRAFT_MODEL_DIR, device="cpu")
     result = {"reps": reps, **run_facts()}
@@ -242,8 +233,7 @@ def main(argv=None):
     print(f"copy task: plain vs prompt lookup, ours and transformers' (x{reps}) ...", flush=True)
     result["copy"] = copy_task(model, tokenizer, recite_prompts(), reps)
     result["targets_met"] = targets_met(result)
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, pathlib.Path(args.out) / "speculative.png")
+    plot(result, out / "speculative.png")
     write_results(args.out, "bench_speculative", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 
