@@ -1,28 +1,21 @@
 """Benchmark of lessons 02-03: static versus continuous batching, and our batched decode
 versus transformers.
 
-    python -m benchmarks.bench_batching            # full run (a few minutes on a laptop CPU)
-    python -m benchmarks.bench_batching --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_batching            # a few minutes on a laptop CPU
+    python -m benchmarks.bench_batching --quick    # fewer repetitions
 
-What it measures, on the course's queue (32 requests, batch size 8, every 8th request wants
-100 tokens and the others 10; the five course prompts in turn):
+On the course queue (32 requests, batch size 8, every 8th wants 100 tokens, the others 10),
+each part side by side in one run:
 
-1. static versus continuous batching: wall time (median and spread over repetitions), decode
-   steps, and the decode steps of the ideal schedule (``ideal_decode_steps``) and of static
-   batching (``static_decode_steps``). Run twice: "as asked" (every request gets exactly its
-   max_tokens: EOS is an ordinary token), which is the queue the lesson describes, and "with
-   EOS" (the drivers' default rule), where a request may end early.
-2. our batched generation (``generate_batched``) versus ``model.generate`` on the same batch
-   (the first 8 requests, 100 new tokens each), checking that the tokens are the same.
-3. transformers' own continuous batching (``transformers_generate_batch``, the manager behind
-   ``model.generate_batch``) on the same queue, checking that the answers are the same.
+1. static versus continuous batching: wall time and decode steps against the ideal schedule's,
+   every request to its max_tokens ("as asked") and with EOS; again on 128 requests with
+   long-tailed lengths;
+2. our batched generation versus ``model.generate`` (8 requests, 100 new tokens), same tokens;
+3. transformers' ``generate_batch`` on the same queues, same answers.
 
-Targets (lesson 03, this CPU): continuous >= 3.0x faster than static; decode steps within 15 %
-of the ideal bound; our batched generation <= 1.2x the time of ``model.generate``.
-
-Writes ``benchmarks/results/bench_batching.json`` and ``.md`` and prints the table. Exits
-with status 1 when a target is missed. Timings are only as quiet as the machine: the load
-average before the run is recorded with them.
+Targets (``targets.BATCHING``): continuous >= 3x static; decode steps within 15% of the ideal;
+ours <= 1.2x ``model.generate``. Writes ``bench_batching.json``, ``.md`` and ``batching.png``;
+exits with status 1 when a target is missed.
 """
 
 from __future__ import annotations

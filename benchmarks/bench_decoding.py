@@ -1,26 +1,16 @@
 """Decoding one sequence: what the KV cache buys, what torch.compile buys, and how far both are
 from what the hardware allows (lesson 01, and the roofline behind lessons 02-04).
 
-    python -m benchmarks.bench_decoding            # full run (about 3 minutes on 2 CPU cores)
+    python -m benchmarks.bench_decoding            # about 3 minutes on 2 CPU cores
     python -m benchmarks.bench_decoding --quick    # fewer repetitions, no compile, small grid
 
-1. KV cache versus no cache, for 50, 100, 200 and 400 new tokens after a short prompt (greedy,
-   EOS ignored, so every run makes exactly that many tokens). ``generate_no_cache`` re-reads
-   the whole sequence at every step, so its time grows with the square of the length;
-   ``generate_with_cache`` feeds one token a step, so its time grows linearly. The bundled
-   model has a context of 256 positions; to reach 400 tokens its position table is extended
-   to 512 rows (the rows past 256 repeat the last trained one). Timing does not depend on
-   what the weights say, and up to 200 tokens the model is exactly the bundled one.
-2. One decoding step, eager versus ``torch.compile``: the step (one token in, logits out)
-   runs with transformers' ``StaticCache`` (fixed shapes, so that one compiled graph serves
-   every step), eager and compiled, for 50 steps at batch 1, 8 and 64; the usual eager
-   step with the growing ``DynamicCache`` is timed beside them. Compilation happens on the
-   first call and is reported apart (a fresh inductor cache directory, so it is a cold
-   compile). The greedy tokens of all three must be the same.
-3. A roofline for the decode step: what it reads and computes against what this CPU and a T4
-   allow, and the measured steps (``roofline.py`` says how).
+1. KV cache versus none, 50 to 400 new tokens (greedy, EOS ignored). Past the bundled model's
+   256 positions its position table is extended (rows repeat the last one): timing only.
+2. One decode step, eager versus ``torch.compile`` on a ``StaticCache`` (and the usual eager
+   step on a ``DynamicCache``), at batch 1, 8 and 64; the cold compile time apart; same tokens.
+3. A roofline for the decode step (``roofline.py``).
 
-Writes benchmarks/results/decoding.json, decoding.md, kv_cache.png and roofline.png.
+Writes ``decoding.json``, ``.md``, ``kv_cache.png`` and ``roofline.png``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Benchmark of lesson 07's JSON mode: grammar engines side by side on the bundled tokenizer.
 
-    python -m benchmarks.bench_grammar            # full run (a few minutes: slow cases are cut)
+    python -m benchmarks.bench_grammar            # a few minutes: slow cases are cut
     python -m benchmarks.bench_grammar --quick    # fewer repetitions, shorter cut-off
 
-For every grammar engine installed here (outlines-core, llguidance, xgrammar; one that is not
-installed is skipped, and the report says so) and every case, in a fresh process each:
-
-* compile time: schema (or regular expression) to something a request can be matched with;
-* peak memory: how far the process's peak resident memory (VmHWM) rose above what it held
-  before compiling (the engine's vocabulary already built);
-* per-token cost: computing the mask of allowed tokens, applying it to a logits row and
-  advancing by one token, along a seeded random walk of up to 64 tokens through the grammar.
-
-The cases are lesson 07's schemas (and the server tests'), and hostile ones: strings with a
-maximum length, a big enum, deep nesting, unsatisfiable schemas, and regular expressions
-whose automaton grows exponentially. A case that does not compile within the cut-off is
-stopped (its peak memory is the one reached by then); one the engine refuses is marked so.
-
-Writes ``benchmarks/results/bench_grammar.json`` and ``.md`` and prints the table.
+For every engine installed (outlines-core, llguidance, xgrammar) and every case, each in a
+fresh process: compile time, peak memory above the process's before compiling (VmHWM), and the
+cost per token (mask, apply, advance) along a seeded random walk of up to 64 tokens. The cases
+are lesson 07's schemas and hostile ones (long strings, a big enum, deep nesting,
+unsatisfiable schemas, exponential regular expressions); one past the cut-off is stopped.
+Writes ``bench_grammar.json`` and ``.md``.
 """
 
 from __future__ import annotations

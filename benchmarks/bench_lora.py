@@ -1,28 +1,20 @@
 """Lesson 06's figures: one batch, one adapter per row -- a loop versus a gathered product.
 
     python -m benchmarks.bench_lora              # about a minute (1 torch thread, 2-core CPU)
-    python -m benchmarks.bench_lora --quick      # a smoke test of everything (about 30 s)
+    python -m benchmarks.bench_lora --quick      # about 30 s
 
-1. The toy model (hidden 1024, ten colour words) with 64 random adapters of rank 2: the time
-   of one decoding step (one token per row) for batch sizes 1..64, with the adapters' part
-   computed by ``linear_lora_loop`` (one row at a time) or ``linear_lora_gathered``
-   (``index_select`` + ``torch.bmm``). Timed twice: the adapter part alone, and the whole
-   model (embedding -> linear + adapters -> lm_head).
-2. The toy model, a grid: batch sizes 1..64 times the number of distinct adapters in the batch
-   (1..64, never more than the batch). ``distinct`` adapters are drawn from the 64 (seeded)
-   and the rows take them in turn (round robin), so every one of them is used. Only the
-   adapters' part is timed, loop versus gathered, alternating (median of the repetitions).
-3. The bundled model with the shipped adapters: a batch of 32 task prompts (left-padded),
-   row i using adapter i mod (adapters + 1) and the last of each cycle using none; greedy
-   generation of the whole answers (at most ``--tokens`` tokens) with ``model.generate``
-   through our ``MultiLora`` layers versus peft's mixed-adapter batches
-   (``generate(..., adapter_names=[...])``), and of the first token alone. The tokens must be
-   identical; the base model without adapters is timed as the floor.
+1. The toy model (hidden 1024) with 64 random adapters of rank 2: one decoding step for batch
+   1..64, the adapters' part by ``linear_lora_loop`` or ``linear_lora_gathered``, alone and in
+   the whole model; again on every core.
+2. The toy model, batch sizes times distinct adapters in the batch (rows take them in turn):
+   the adapters' part alone, loop versus gathered.
+3. The bundled model with the shipped adapters, a batch of 32 task prompts, row i on adapter
+   i mod (adapters + 1) (the last: none): greedy ``generate`` through our ``MultiLora`` versus
+   peft's mixed-adapter batches (``adapter_names=``), whole answers and first token; identical
+   tokens; the base model timed as the floor.
 
-The toy model always runs on the CPU; ``--device`` moves the bundled model. Writes
-benchmarks/results/ (or ``--out``): lora.json (every number, every repetition), lora.md (the
-tables) and lora_toy.png, and prints the markdown. Exits with status 1 when a check
-fails (tokens or logits that differ).
+Targets (``targets.LORA``). Writes ``lora.json``, ``lora.md`` and ``lora_toy.png``; exits with
+status 1 when a check fails (tokens or logits that differ).
 """
 
 import datetime

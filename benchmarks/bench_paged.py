@@ -1,24 +1,17 @@
 """Benchmark of lesson 08: the paged KV cache, prefix caching and chunked prefill.
 
-    python -m benchmarks.bench_paged            # full run (under a minute on a laptop CPU)
-    python -m benchmarks.bench_paged --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_paged            # under a minute on a laptop CPU
+    python -m benchmarks.bench_paged --quick    # fewer repetitions
 
-What it measures, side by side in one run, on the bundled model:
+1. Requests at once in one KV budget (what a padded cache reserves for 8 of the course
+   queue's longest requests): padded 8, paged as many as ``generate_paged`` runs. Target >= 2x.
+2. TTFT of a request whose 200-token prefix is cached, against a fresh cache. Target >= 3x.
+3. The worst gap of three running streams while a long prompt arrives, whole against chunks.
+4. Tokens/s of contiguous and paged continuous batching and of ``generate_batch`` on the
+   course queue.
 
-1. requests running at once in one KV budget (the memory of 8 of the course queue's longest
-   requests, what a padded cache reserves for a batch of 8): padded fits 8; paged is the
-   most rows ``generate_paged`` runs together with a pool of exactly that many blocks and 32
-   slots. Same tokens as contiguous continuous batching. Target >= 2x.
-2. time to first token (the prefill) of a request whose 200-token prefix an earlier request
-   left in the cache, against the same request on a fresh cache. Same tokens. Target >= 3x.
-3. the worst gap between two tokens of three running streams when a long prompt arrives,
-   whole prefill against chunks of 32 tokens (no target: a figure to look at).
-4. throughput (tokens/s) of contiguous and paged continuous batching and of transformers'
-   ``generate_batch`` on the course queue, every request to its max_tokens; the decode step's
-   time on each cache shows what gathering keys and values through block tables costs.
-
-Writes ``benchmarks/results/bench_paged.json`` and ``.md`` and ``paged.png`` and prints the
-table. Exits with status 1 only when a same-tokens check fails.
+Same tokens everywhere. Writes ``bench_paged.json``, ``.md`` and ``paged.png``; exits with
+status 1 only when a same-tokens check fails.
 """
 
 from __future__ import annotations

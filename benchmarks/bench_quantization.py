@@ -2,15 +2,11 @@
 
     python -m benchmarks.bench_quantization            # about a minute on 2 CPU cores
 
-Measures, for the bundled model on CPU:
-  * memory footprint: fp32, hand-made uint8 (per-tensor and per-channel, states counted),
-    torchao int8 weight-only (after turning GPT-2's Conv1D layers into nn.Linear), and torchao
-    applied to the model as it is (which finds only the tied output head);
-  * perplexity on held-out text (``corpus(seed=1)``) for each, and at 4 bits for contrast;
-  * decode speed: median seconds for ``--tokens`` greedy tokens with the KV cache;
-  * the greedy continuation of the course prompts.
-
-Writes benchmarks/results/quantization.json and quantization.md and prints the markdown.
+For fp32, hand-made uint8 (per-tensor and per-channel), torchao int8 weight-only (Conv1D
+turned into nn.Linear first) and torchao on the model as it is: footprint, perplexity on
+held-out text (and at 4 bits for contrast), decode speed (``--tokens`` greedy tokens, the
+variants taking turns) and the greedy continuations. Writes ``quantization.json``, ``.md`` and
+``quantization.png``.
 """
 
 import copy

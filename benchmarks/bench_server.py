@@ -1,56 +1,26 @@
 """Benchmark of lesson 07: the server under concurrent streaming clients.
 
-    python -m benchmarks.bench_server            # full run (about two minutes on a 2-core CPU)
-    python -m benchmarks.bench_server --quick    # one repetition, fewer levels (< 1 minute)
+    python -m benchmarks.bench_server            # about two minutes on a 2-core CPU
+    python -m benchmarks.bench_server --quick    # < 1 minute
 
-The server runs in its own process (``helpers.server.serve_in_background``), as in the lesson,
-started once for the whole run; this process is the clients (httpx, streaming
-``POST /generate_stream``, reading the server-sent events as they come). Each request is a
-course prompt with ``max_new_tokens`` new tokens and ``ignore_eos_token`` (so that every
-request produces exactly that many tokens, and runs with the same number of requests do the
-same work). Greedy.
+The server runs with its default flags (one torch thread) in its own process
+(``serve_in_background``), started once; this process is the clients (httpx, one connection
+each). Every request is a course prompt with ``max_new_tokens`` new tokens and EOS ignored,
+greedy. In turns, after a warm-up:
 
-The server runs with its default flags (the point of the figures: what a user gets without
-tuning), except one torch thread, as in every benchmark of the course. What it measures, after
-a warm-up request:
+1. 16 requests one after another (the "idle" TTFT), the same 16 at once (TTFT "under load"),
+   and the same 16 through lesson 03's decode loop on batch 1 in this process (no server, no
+   HTTP); each ratio is the median of the ratios within a turn. Single-token probes sent while
+   the 16 stream give the TTFT of a request that joins a busy batch.
+2. a sweep over 1, 4, 16 and 64 clients: tokens/s, TTFT and inter-token gaps p50/p95 (median
+   over the repetitions, min-max beside it).
+3. side by side with ``transformers serve --continuous-batching`` (``transformers_serve.py``)
+   at 1, 16 and 64 clients, on OpenAI's streaming ``/v1/completions`` of both.
 
-1. one after another: 16 requests, each alone on an idle server. Tokens/s = all tokens / wall
-   time; TTFT (time to first token: from sending the request to its first event) = "idle"
-   TTFT.
-2. concurrently: the same 16 requests at once. Tokens/s = all tokens / wall time from the
-   first request sent to the last event received; the clients' TTFT = TTFT "under load".
-3. the bare decode loop: the same 16 requests one after another through lesson 03's loop
-   (``init_batch``, then ``generate_next_token`` until done) on batch 1, in this process: no
-   server, no HTTP. Run 1 / run 3 is what the server keeps of the model's speed at one
-   client (target >= 70%).
-   The three take turns (3, 1, 2 in each turn); each ratio (2 / 1, 1 / 3) is the median of the
-   ratios within each turn.
-4. probes: while a concurrent run streams, single-token requests sent one after another
-   measure the TTFT of a request that joins a busy batch (it waits for the current step, then
-   its prefill is merged in).
-5. a sweep over concurrency: 1, 4, 16 and 64 clients, each level that many requests sent at
-   once (same prompts, same number of new tokens). Per level: wall time, tokens, tokens/s,
-   TTFT p50/p95, and the inter-token latency p50/p95 as the clients see it (the time between
-   two consecutive events of one stream, over every stream of the run; events that reach the
-   client in the same read count as a gap of ~0). Every request opens its own connection, as
-   separate clients would, so TTFT includes connecting and the server reading every request
-   that arrives at once. Each figure is the median over repetitions, with its spread
-   (min-max); the levels take turns within each repetition, so that a slow moment of the
-   machine does not land on one level only.
-6. side by side with ``transformers serve --continuous-batching`` (``transformers_serve.py``):
-   1, 16 and 64 clients on both servers, OpenAI's streaming ``/v1/completions`` on each, the
-   same prompts and lengths, taking turns, both on ``--device`` (their ``--device`` follows
-   ours). Target: ours >= 1.5x their tokens/s at 16 clients.
-
-Targets (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another; one client >= 70%
-of the bare loop; >= 1.5x transformers serve at 16 clients. Also checks that the runs return
-the same texts (ours among themselves, and ours against transformers serve: greedy on the same
-model), and that every request of the sweep was answered in full.
-
-Writes ``benchmarks/results/bench_server.json`` (all numbers) and ``.md`` (the tables, with
-the machine, threads, load average and date), ``benchmarks/results/server.png`` (tokens/s and
-TTFT versus the number of clients) and prints the tables. Exits with status 1 when a target or
-a check is missed.
+Targets (``targets.SERVER``): concurrent >= 4x one-after-another; one client >= 70% of the bare
+loop; >= 1.5x transformers serve at 16 clients; checks: the same texts everywhere, every sweep
+request answered in full. Writes ``bench_server.json``, ``.md`` and ``server.png``; exits with
+status 1 when a target or a check is missed.
 """
 
 from __future__ import annotations
@@ -58,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import pathlib
 import statistics
 import sys
 import time

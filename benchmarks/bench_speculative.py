@@ -1,26 +1,18 @@
 """Benchmark of lesson 09: speculative decoding, greedy, batch 1, on the bundled model.
 
-    python -m benchmarks.bench_speculative            # full run (a few minutes on a laptop CPU)
+    python -m benchmarks.bench_speculative            # a few minutes on a laptop CPU
     python -m benchmarks.bench_speculative --quick    # fewer prompts and repetitions (< 1 min)
 
-What it measures, side by side in one run (each round runs every candidate once, in turn):
+1. The copy task (the answer repeats a nursery rhyme from the prompt): prompt lookup (k = 8)
+   against plain greedy decoding, same text.
+2. Story continuation (48 new tokens): the draft model against plain greedy for k = 1, 2, 4,
+   with its acceptance and the cost model's break-even (lesson 09, section 5).
+3. Ours against transformers on the same prompts and k: ``prompt_lookup_num_tokens`` on the
+   copy task, ``assistant_model`` on the stories.
 
-1. the copy-heavy task of lesson 09: the answer repeats the prompt (a nursery rhyme followed
-   by its first four words; the model says the rest of it again, to end-of-text). Prompt
-   lookup (k = 8) against plain greedy decoding (``generate_with_cache``): tokens/s, same
-   text. Target >= 1.5x.
-2. story continuation (held-out stories, 48 new tokens, no stop at end-of-text): the draft
-   model against plain greedy, for k = 1, 2, 4: tokens/s ratio and acceptance. The cost model
-   (lesson 09 section 5) gives, for each k, the draft/plain step-time ratio below which the
-   draft pays: c < (E[tokens per verify] * t_step - t_verify(k)) / (k * t_step), with
-   E = (1 - alpha^(k+1)) / (1 - alpha), t_step plain decoding's time per token and t_draft,
-   t_verify the times ``speculative_generate`` measured in the same runs.
-3. ours against transformers, same prompts and k: ``generate(prompt_lookup_num_tokens=8)``
-   on the copy task, ``generate(assistant_model=draft)`` (k = 2, constant schedule) on the
-   stories. Target >= 1.0x tokens/s for both.
-
-Writes ``benchmarks/results/bench_speculative.json`` and ``.md`` and ``speculative.png``
-and prints the table. Exits with status 1 when a target or a same-text check is missed.
+Targets (``targets.SPECULATIVE``): lookup >= 1.5x plain; ours >= transformers in both. Writes
+``bench_speculative.json``, ``.md`` and ``speculative.png``; exits with status 1 when a target
+or a same-text check is missed.
 """
 
 from __future__ import annotations

@@ -5,25 +5,17 @@ figures a GPU run records. Part of ``make test-gpu`` (``scripts/run_lessons_gpu.
     python -m benchmarks.gpu_server --out results/gpu --budget 300
     python -m benchmarks.gpu_server --allow-cpu --quick     # check this script on a CPU
 
-1. **Same tokens.** Two engines in this process, both compiled, one replaying CUDA graphs and
-   one not: greedy answers of 64 new tokens for 1, 3 (padded to 4), 16 and 64 requests sent at
-   once, and 16 sent one every few milliseconds; the graphed engine's tokens against the other
-   one's, and the one-request answers against lesson 01's loop on the same device.
-2. **No capture or compile after start-up.** About 1,000 mixed steps on the graphed engine:
-   base requests, requests with each shipped adapter, long prompts, alone and together. The
-   capture and compile counts must not move, no request may fail (a NaN would fail it), and
-   the GPU memory in use must end where it began.
-3. **The model step** at 1, 8 and 64 rows, with lesson 10's pieces (its static-cache decode
-   step of the same model): the eager step, the compiled step, and the replay of a graph (the
-   copy of the inputs included), each size's fastest step.
-4. **The server**, as clients see it: two servers started as users start them (graphs off,
-   then on; the same compiled step), streaming clients at 1, 16 and 64 (64 new tokens each):
-   tokens/s, TTFT p50, the gap between tokens p50/p95.
+1. Same tokens: two compiled engines in this process, graphs on and off, at 1, 3, 16 and 64
+   requests at once and 16 staggered, and one request against lesson 01's loop.
+2. No capture or compile after start-up: about 1,000 mixed steps (adapters, long prompts);
+   the counts stay, no request fails, the GPU memory in use ends where it began.
+3. The model step at 1, 8 and 64 rows with lesson 10's pieces: eager, compiled, graph replay.
+4. Two servers (graphs off, then on) under 1, 16 and 64 streaming clients.
 
 Targets (an H100 or H200): gap at 1 client p50 <= 0.7 ms; model step at 1 row <= 0.3 ms; 64
-clients >= 1.5x the tokens/s without graphs. ``run`` returns {"lines": [...], "checks": {...},
-"figures": {...}} and writes gpu_server.json in ``out_dir``; a part that does not fit in
-``budget_seconds`` is skipped and says so.
+clients >= 1.5x the tokens/s without graphs. ``run`` returns {"lines", "checks", "figures"}
+and writes gpu_server.json in ``out_dir``; a part that does not fit in ``budget_seconds`` is
+skipped and says so.
 """
 
 from __future__ import annotations

@@ -4,17 +4,11 @@
     python -m benchmarks.run_all --quick    # each benchmark's smoke run, into a scratch folder
     python -m benchmarks.run_all --summary  # only rewrite the summary from the JSON files there
 
-(from the repository's root folder: ``benchmarks`` is a package there, and each benchmark
-imports its shared modules, ``benchmarks.timing`` and ``benchmarks.results_io``, from it).
-
-Each benchmark is its own module (see the table below) and runs in its own process, one after
-another, so that none of them shares the CPU with another. Each writes ``<name>.json``,
-``<name>.md`` and its plots into the output folder; this script then writes ``README.md``
-there: the machine, how long each benchmark took, and every ratio beside the target an
-earlier lesson set for it (a row without a target is a figure to look at, not a test).
-
-A benchmark that misses a target or a check exits with status 1; this script carries on
-with the others and exits with status 1 at the end, naming them.
+Each benchmark runs as a module in its own process, one after another, and writes its JSON,
+markdown and plots into the output folder; the summary (``README.md`` there) gives the
+machine, each benchmark's time, and every figure beside the target a lesson set for it. A
+benchmark that misses a target or a check exits with status 1; this script carries on and
+exits with status 1 at the end, naming them.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The HTTP side every server benchmark shares: the clients, what a server's /metrics says, and a
-server of another project run in a process of its own.
+"""The HTTP side every server benchmark shares.
 
-Clients: ``at_once`` sends every job ``(prompt, new_tokens)`` at once, each on its own
-connection, as separate clients would; a job streams from TGI's ``POST /generate_stream``
-(``stream``: the time of each event) or, given ``extra``, from OpenAI's ``POST
-/v1/completions`` (``openai_stream``: the tokens counted from the stream's ``usage``, as another
-server may put several tokens in one event). ``figures`` turns one such run into tokens/s and
-TTFT and inter-token percentiles.
-
-``ServerProcess`` is what a server of another project needs to be compared with ours: start it
-in a process of its own, wait for /health, warm it up, stop it and what it started, keep its
-log. ``transformers serve`` (``transformers_serve.py``) and vLLM (``vllm/serve.py``) are two.
+``at_once`` sends every job ``(prompt, new_tokens)`` at once, each on its own connection, on
+TGI's ``/generate_stream`` (``stream``) or, given ``extra``, OpenAI's ``/v1/completions``
+(``openai_stream``: tokens counted from the stream's usage); ``figures`` turns a run into
+tokens/s and TTFT and inter-token percentiles. ``side_by_side`` runs ours and another server
+in turns; ``ServerProcess`` starts another project's server (``transformers_serve.py``,
+``vllm/serve.py``) in a process of its own.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The server benchmark's side-by-side run against ``transformers serve --continuous-batching``.
+"""The server benchmark's side-by-side run against ``transformers serve --continuous-batching``
+(transformers' OpenAI-compatible server on its own continuous batching and paged KV cache).
 
-``transformers serve`` is the OpenAI-compatible server that ships with transformers (its CLI:
-``transformers serve --help``). With ``--continuous-batching`` it generates with transformers'
-own continuous batching on a paged KV cache. Both servers get the same requests on the same
-route kind, OpenAI's streaming ``POST /v1/completions``: the same prompts, the same number of
-new tokens with the end-of-sequence token ignored (ours: ``ignore_eos_token``; theirs: a
-per-request generation config with ``eos_token_id`` -1, which their batching reads as "no end
-token"), greedy (``temperature`` 0), on the same device (``--device`` of both), the same
-number of torch threads on a CPU. The tokens are counted from each stream's ``usage`` (their
-server may put several tokens in one event).
-
-Their server loads the model from the same local folder (offline: ``HF_HUB_OFFLINE=1``), and
-builds its batching manager on the first request, which takes seconds: warm-up requests come
-first (``serving.ServerProcess``).
+Both servers get the same requests on OpenAI's streaming ``/v1/completions``: the same prompts
+and lengths, EOS ignored (theirs: a per-request generation config with ``eos_token_id`` -1),
+greedy, on the same device and torch threads. Their server loads the same local folder
+offline and builds its batching on the first request: warm-up requests come first.
 """
 
 from __future__ import annotations

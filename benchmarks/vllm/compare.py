@@ -3,45 +3,24 @@
     python -m benchmarks.vllm.compare             # 5 turns, then vLLM --enable-lora once (~5 min)
     python -m benchmarks.vllm.compare --quick     # 2 turns, no LoRA check (~2 min)
 
-``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
-passes its Python in ``VLLM_PYTHON`` (``serve.py`` says why it is an environment of its
-own). Not part of ``make bench``: vLLM alone takes 60-100 s to start.
+``make bench-vllm`` runs it with vLLM's environment in ``VLLM_PYTHON`` (``serve.py`` says why).
+Both servers start once: vLLM's OpenAI server (``serve.VllmServe``: its CPU build, float32, its
+defaults) and ours (``serve_in_background``, its defaults, one torch thread as vLLM's); two
+warm-up requests each, then one untimed round of every level.
 
-The servers, both started at the beginning and up for the whole run:
-- vLLM's OpenAI server (``serve.VllmServe``): its CPU build on the bundled model, float32,
-  with its defaults (on this CPU: one torch thread bound to one core, its API server and
-  engine core on the other; chunked prefill and prefix caching on; up to 128 sequences and
-  2048 tokens a step);
-- the course server (``helpers.server.serve_in_background``) with its defaults, whatever they
-  are when the benchmark runs (KV cache, batch size, compiled step: /info says, and the result
-  records it), except one torch thread, as vLLM's.
-Defaults against defaults: what each gives without tuning. Each gets two warm-up requests,
-then one untimed round of every level.
+For 1, 16 and 64 clients, that many streaming requests at once on OpenAI's
+``/v1/completions`` of each server: the course prompts, 64 new tokens with EOS ignored,
+greedy, the tokens counted from the stream's usage. Per level and server: tokens/s (all tokens
+/ wall time), TTFT p50 and p95, the engine steps (/metrics). Before each run the benchmark
+waits until the CPUs are idle (``timing.wait_until_idle``): vLLM's processes keep a core busy
+for about a second after their last answer. The servers take turns, the order reversed from
+turn to turn (``serving.side_by_side``); each figure is the median over the turns (min-max),
+ours/vLLM the median of the turns' ratios, and every text must be the same on both servers.
+vLLM cannot serve LoRA for GPT-2: the full run starts it once more with ``--enable-lora`` and
+records what it says.
 
-What is measured: for 1, 16 and 64 clients, that many streaming requests at once, each on its
-own connection (httpx), on OpenAI's ``POST /v1/completions`` of both servers: a course prompt
-each (``benchmarks.PROMPTS``, the same list for both), 64 new tokens with the
-end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``), greedy
-(temperature 0), the token count from the stream's usage at its end
-(``serving.openai_stream``). Per level and server: tokens/s = all tokens / wall time
-from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
-requests (from sending a request to its first event with text); the engine steps the server
-ran (its /metrics). Before each run, the benchmark waits until the machine's CPUs are idle
-(``timing.wait_until_idle``, at most 5 s): after its last answer vLLM keeps a core busy for
-about a second (its processes poll their shared-memory queue before they sleep; measured on
-this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
-Every level on both servers in each turn, the order reversed from one turn to the next
-(``serving.side_by_side``); 5 turns (2 with ``--quick``). Each figure is the median
-over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
-request's text on one server equals the text of the same prompt on the other, in every turn.
-
-Per-request LoRA adapters are the one feature of lesson 07 not compared: vLLM cannot serve them
-for GPT-2. The full run starts vLLM once more with ``--enable-lora`` and records what it says.
-
-Writes ``benchmarks/results/bench_vllm.json`` (every turn's figures) and ``.md`` (the table,
-with the machine, versions, load average and date), and ``vllm.png`` (tokens/s and TTFT p95
-versus clients, both servers). Exits with status 1 when the texts differ between the servers
-or a stream ended before its 64 tokens.
+Writes ``bench_vllm.json``, ``.md`` and ``vllm.png``; exits with status 1 when the texts differ
+or a stream ended short.
 """
 
 from __future__ import annotations

