@@ -18,6 +18,7 @@ import os
 import pathlib
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -26,7 +27,7 @@ import urllib.request
 import httpx
 
 from benchmarks import PROMPTS
-from benchmarks.timing import Candidate, time_in_turns, wait_until_idle
+from benchmarks.timing import Candidate, spread, time_in_turns, wait_until_idle
 
 #: What our /v1/completions needs besides the prompt and length: every request run to its
 #: ``max_tokens`` and the token count at the end of the stream.
@@ -224,6 +225,23 @@ def side_by_side(servers: dict[str, Server], levels, new_tokens: int, turns: int
                   repeats=turns, warmup=1, alternate=True, progress="side by side:")
     return {n: {name: done[1:] for name, done in by_name.items()}    # [0]: the untimed round
             for n, by_name in runs.items()}
+
+
+def level_row(clients: int, run: dict, other: str) -> dict:
+    """One level of ``side_by_side``: each server's figures over the turns (``timing.spread``),
+    ours / ``other``'s tokens/s (the median of the turns' ratios) and the text check."""
+    row = {"clients": clients, "tokens": run["ours"][0]["tokens"]}
+    for name in ("ours", other):
+        keys = ["tokens_per_second", "ttft_p50", "ttft_p95", "seconds"]
+        row[name] = {key: spread(r[key] for r in run[name])
+                     for key in keys + (["steps"] if run[name][0]["steps"] is not None else [])}
+        row[name]["short_streams"] = sum(r["short"] for r in run[name])
+    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
+              for a, b in zip(run["ours"], run[other])]
+    differences = different_texts(run["ours"], run[other], other)
+    return {**row, f"ours_over_{other}": statistics.median(ratios),
+            f"ours_over_{other}_per_turn": [round(r, 3) for r in ratios],
+            "same_texts": not differences, "first_difference": differences[:1]}
 
 
 def different_texts(ours: list[dict], theirs: list[dict], name: str) -> list[dict]:

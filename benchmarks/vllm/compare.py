@@ -35,13 +35,13 @@ import time
 import httpx
 
 from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
-from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
-from benchmarks.serving import (OURS_EXTRA, Server, at_once, different_texts, jobs,
-                                levels_argument, metrics, our_steps, side_by_side)
-from benchmarks.timing import spread
+from benchmarks.results_io import (RESULTS, load_average, markdown_table, numbers, run_facts,
+                                   write_results)
+from benchmarks.serving import (OURS_EXTRA, Server, at_once, jobs, levels_argument, metrics,
+                                our_steps, side_by_side)
+from benchmarks.serving import level_row as serving_row
 from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEVELS = (1, 16, 64)
 SERVERS = ("ours", "vllm")
 WORDS = {"ours": "ours", "vllm": "vLLM"}
@@ -50,34 +50,20 @@ LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
 
 
 def level_row(clients: int, run: dict) -> dict:
-    """One level's figures: each server's medians and spreads, the ratio, the text check."""
-    row = {"clients": clients, "tokens": run["ours"][0]["tokens"]}
+    """One level's figures (``serving.level_row``), with the waits for idle CPUs and the texts."""
+    row = serving_row(clients, run, "vllm")
     for name in SERVERS:
-        row[name] = {key: spread(r[key] for r in run[name])
-                     for key in ("tokens_per_second", "ttft_p50", "ttft_p95", "steps",
-                                 "seconds")}
         row[name]["idle_wait"] = statistics.median(r.get("idle_wait", 0.0) for r in run[name])
-        row[name]["short_streams"] = sum(r["short"] for r in run[name])
-    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
-              for a, b in zip(run["ours"], run["vllm"])]
-    row["ours_over_vllm"] = statistics.median(ratios)
-    row["ours_over_vllm_per_turn"] = [round(r, 3) for r in ratios]
-    differences = different_texts(run["ours"], run["vllm"], "vllm")
-    row["same_texts"] = not differences
-    row["first_difference"] = differences[:1]
-    row["texts"] = run["ours"][-1]["texts"]
-    return row
+    return {**row, "texts": run["ours"][-1]["texts"]}
 
 
 def describe(args, versions: dict, info: dict) -> dict:
-    import torch
-    import transformers
-
+    facts = run_facts()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(), "quick": args.quick, "turns": args.turns,
+        "machine": facts["machine"], "quick": args.quick, "turns": args.turns,
         "new_tokens": args.new_tokens, "levels": args.levels,
-        "ours": {"torch": torch.__version__, "transformers": transformers.__version__,
+        "ours": {"torch": facts["torch"], "transformers": facts["transformers"],
                  "threads": 1, "info": {k: v for k, v in info.items()
                                         if k in ("kv_cache", "max_batch_size", "max_queue",
                                                  "engine", "model_id") or "compile" in k}},
@@ -133,8 +119,7 @@ def parse_args(argv=None):
     parser.add_argument("--check-lora", action=argparse.BooleanOptionalAction, default=None,
                         help="start vLLM once more with --enable-lora and record what it says "
                              "(default: on, off with --quick)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                        help="output folder")
+    parser.add_argument("--out", default=str(RESULTS), help="output folder")
     args = parser.parse_args(argv)
     args.turns = args.turns or (2 if args.quick else 5)
     if args.check_lora is None:
