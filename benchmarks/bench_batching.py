@@ -29,7 +29,7 @@ import transformers
 
 from benchmarks import PROMPTS
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (arguments, begin, markdown_table, min_max, numbers,
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
                                    positive_int, run_facts, verdicts, write_results)
 from benchmarks.targets import BATCHING as TARGETS
 from benchmarks.timing import time_in_turns, traced
@@ -171,10 +171,8 @@ def plot(result, path):
 def markdown(result):
     lines = [
         "# Batching benchmark (lessons 02-03)", "",
-        f"Model: `{result['model']}`; {result['machine']}; torch {result['torch']}, "
-        f"transformers {result['transformers']}, {result['threads']} thread(s), "
-        f"{result['reps']} repetitions (median, min-max); load average before the run "
-        f"{numbers(result['load_average'])}.", "",
+        f"Model: `{result['model']}`; {facts_line(result)}; {result['reps']} repetitions "
+        "(median, min-max).", "",
     ]
     lines += course_queue_markdown(result)
     if "long_tail" in result:

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (arguments, begin, markdown_table, min_max, numbers,
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
                                    positive_int, run_facts, verdicts, write_results)
 from benchmarks.roofline import bench_roofline, plot_roofline, roofline_markdown
 from benchmarks.timing import Candidate, time_in_turns, timed_once
@@ -136,10 +136,8 @@ def markdown(result):
     m = result["machine"]
     lines = [
         "# Decoding: KV cache, torch.compile, roofline", "",
-        f"{result['date']}, {m['machine']}, {m['threads']} torch thread(s), "
-        f"torch {m['torch']}, transformers {m['transformers']}; load average before the run "
-        f"{numbers(m['load_average'])}. Medians over "
-        f"{result['args']['reps']} repetitions (min-max beside them).", "",
+        f"{result['date']}, {facts_line(m)}. Medians over {result['args']['reps']} "
+        "repetitions (min-max beside them).", "",
     ]
     lines += kv_cache_markdown(result["kv_cache"])
     if result.get("compile"):

@@ -261,14 +261,8 @@ def markdown(result: dict) -> str:
              "Peak MB: how far the process's peak resident memory rose while compiling and "
              "walking (for a cut case: by the time it was stopped), above what it held after "
              "a warm-up compilation and walk. µs/token: mask, apply to a logits row, advance; "
-             f"a seeded random walk of up to {WALK} tokens. llguidance runs with the server's "
-             "settings (helpers/server/grammar.py).", "",
-             "The server uses llguidance: like xgrammar it compiles every case here in "
-             "milliseconds, and it also bounds its own work (fuel for each compilation and "
-             "each token's mask, a cap on lexer states), refuses the keywords it does not "
-             "implement instead of ignoring them (xgrammar follows `{\"not\": {}}` as if it "
-             "allowed anything), and needs no other package (xgrammar needs torch, triton "
-             "and apache-tvm-ffi).", ""]
+             f"a seeded random walk of up to {WALK} tokens. llguidance, the server's engine, "
+             "runs with the server's settings (helpers/server/grammar.py).", ""]
     if result["skipped"]:
         lines += [f"Not installed here, skipped: {', '.join(result['skipped'])}.", ""]
     if refusals:

@@ -20,7 +20,6 @@ status 1 when a check fails (tokens or logits that differ).
 import datetime
 import os
 import pathlib
-import platform
 import sys
 import time
 import warnings
@@ -28,8 +27,8 @@ import warnings
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (arguments, begin, load_average, machine, markdown_table,
-                                   numbers, positive_int, write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, positive_int,
+                                   run_facts, write_results)
 from benchmarks.timing import calls_per_sample, time_in_turns
 from helpers.corpus import task_examples, task_prompt
 from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel, linear_lora_gathered,
@@ -230,9 +229,8 @@ def markdown(result) -> str:
     m = result["machine"]
     lines = [
         "# Multi-LoRA: one batch, one adapter per row", "",
-        f"{result['date']}, {m['device']} ({m['cpu']}, {m['cores']} cores; load average "
-        f"{m['load_average']} before the run), {m['threads']} torch thread(s), torch {m['torch']}, "
-        f"transformers {m['transformers']}, peft {m['peft']}. Median wall times; they change "
+        f"{result['date']}, {m['device']}: {facts_line(m)}; peft {m['peft']}. Median wall "
+        "times; they change "
         "from run to run." + (" **Smoke run (`--quick`): too few repetitions to quote.**"
                               if result["args"]["quick"] else ""), "",
     ]
@@ -351,19 +349,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import peft
-    import transformers
 
     started = time.perf_counter()
-    load = load_average()
     out = begin(args)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     result = {"date": datetime.date.today().isoformat(), "args": vars(args),
               "repeats": args.repeats,
-              "machine": {"device": (torch.cuda.get_device_name() if args.device == "cuda"
-                                     else f"{platform.machine()} CPU"),
-                          "cpu": machine(), "cores": os.cpu_count(),
-                          "load_average": numbers(load) if load else "n/a",
-                          "threads": args.threads, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "peft": peft.__version__}}
+              "machine": {**run_facts(), "device": device, "peft": peft.__version__}}
     result["toy"] = bench_toy(args)
     cores = os.cpu_count() or 1
     if args.device == "cpu" and cores > args.threads:  # the toy sweep again on every core

@@ -24,8 +24,8 @@ import transformers
 
 from benchmarks.bench_batching import course_queue
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (arguments, begin, markdown_table, min_max, numbers, run_facts,
-                                   verdicts, write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
+                                   run_facts, verdicts, write_results)
 from benchmarks.targets import PAGED as TARGETS
 from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
@@ -186,10 +186,8 @@ def markdown(result):
              f"{1 / t['paged_over_contiguous']:.2f}x", "", t["same_tokens"]]]
     step = {n: t[n]["decode_seconds_per_step"] * 1e3 for n in ("contiguous", "paged")}
     lines = ["# Paged KV cache benchmark (lesson 08)", "",
-             f"Model: `{result['model']}`; {result['machine']}; torch {result['torch']}, "
-             f"transformers {result['transformers']}, {result['threads']} thread(s), "
-             f"{result['reps']} repetitions (median); load average before the run "
-             f"{numbers(result['load_average'])}.", "",
+             f"Model: `{result['model']}`; {facts_line(result)}; {result['reps']} "
+             "repetitions (median).", "",
              *markdown_table(["figure", "baseline", "lesson 08", "ratio", "target", "same tokens"],
                              rows, "lrrrrl"), "",
              f"- KV budget: {c['budget_blocks']} blocks of {c['block_size']} tokens (8 x the "

@@ -22,8 +22,8 @@ import sys
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (arguments, begin, markdown_table, numbers, run_facts, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, run_facts,
+                                   verdicts, write_results)
 from benchmarks.targets import SPECULATIVE as TARGETS
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
@@ -189,10 +189,8 @@ def markdown(result):
                    f"{r['predicted_over_plain']:.2f}x", f"{r['measured_over_plain']:.2f}x",
                    f"{r['pays_below_step_ratio']:.2f}"] for r in s["cost_model"]["rows"]]
     lines = ["# Speculative decoding benchmark (lesson 09)", "",
-             f"Model: bundled, draft: `helpers/assets/draft`; {result['machine']}; torch "
-             f"{result['torch']}, transformers {result['transformers']}, {result['threads']} "
-             f"thread(s), batch 1, greedy, {result['reps']} repetitions (median); load average "
-             f"before the run {numbers(result['load_average'])}.", "",
+             f"Model: bundled, draft: `helpers/assets/draft`; {facts_line(result)}; batch 1, "
+             f"greedy, {result['reps']} repetitions (median).", "",
              *markdown_table(["figure", "baseline tokens/s", "ours tokens/s", "ratio", "target",
                               "same text"], rows, "lrrrrl"), "",
              "Cost model for the draft on the stories (lesson 09 section 5; times per plain "

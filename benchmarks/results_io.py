@@ -80,6 +80,13 @@ def run_facts() -> dict:
             "transformers": transformers.__version__}
 
 
+def facts_line(facts: dict) -> str:
+    """``run_facts`` as a report says them: machine, threads, versions, load average."""
+    return (f"{facts['machine']}; {facts['threads']} torch thread(s), torch {facts['torch']}, "
+            f"transformers {facts['transformers']}; load average before the run "
+            f"{numbers(facts['load_average'])}")
+
+
 def markdown_table(header: list[str], rows, align: str = "") -> list[str]:
     """A markdown table, as lines: ``header`` holds the column titles, ``rows`` the cells
     (strings, or anything ``str()`` turns into one), ``align`` one letter a column, "l" or
