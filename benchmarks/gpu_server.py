@@ -34,8 +34,8 @@ from benchmarks.serving import at_once, figures, jobs
 from helpers import load_model
 from helpers.batching import generate_sequential
 from helpers.compilation import rerun_each_replay
-from helpers.server import Engine, serve_in_background
-from helpers.server.contract import ErrorEvent, GenerationParams, Submission, TokenEvent
+from helpers.server import Engine, GenerationParams, serve_in_background
+from helpers.server.contract import ErrorEvent, Submission, TokenEvent
 
 ADAPTERS = ["entities", "rhymes", "sad", "title"]
 NEW_TOKENS = 64
