@@ -76,6 +76,21 @@ def our_steps(url: str) -> float:
 
 # --- the clients -----------------------------------------------------------------------------
 
+async def events(client: httpx.AsyncClient, url: str, route: str, body: dict):
+    """The server-sent events of one streaming request, each with the time it arrived; an
+    error status or an error event raises RuntimeError."""
+    async with client.stream("POST", url + route, json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
+        async for line in reply.aiter_lines():
+            data = line[5:].strip() if line.startswith("data:") else ""
+            if data and data != "[DONE]":
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(str(event["error"]))
+                yield time.perf_counter(), event
+
+
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int) -> dict:
     """One request to TGI's ``/generate_stream`` (EOS ignored): its TTFT, the gaps between its
     events, its end time, tokens and text."""
@@ -83,24 +98,15 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: i
                                              "ignore_eos_token": True}}
     start = time.perf_counter()
     arrivals, text = [], None
-    async with client.stream("POST", url + "/generate_stream", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            arrivals.append(now)
-            if event.get("generated_text") is not None:
-                text = event["generated_text"]
-    end = time.perf_counter()
+    async for now, event in events(client, url, "/generate_stream", body):
+        arrivals.append(now)
+        if event.get("generated_text") is not None:
+            text = event["generated_text"]
     if not arrivals:
         raise RuntimeError("the stream ended without a token")
-    return {"start": start, "ttft": arrivals[0] - start, "end": end, "tokens": len(arrivals),
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "text": text}
+    return {"start": start, "ttft": arrivals[0] - start, "end": time.perf_counter(),
+            "tokens": len(arrivals), "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "text": text}
 
 
 async def openai_stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int,
@@ -111,23 +117,14 @@ async def openai_stream(client: httpx.AsyncClient, url: str, prompt: str, new_to
             **extra}
     start = time.perf_counter()
     first, tokens, pieces = None, None, []
-    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
-        async for line in reply.aiter_lines():
-            data = line[5:].strip() if line.startswith("data:") else None
-            if not data or data == "[DONE]":
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(str(event["error"]))
+    async with contextlib.aclosing(events(client, url, "/v1/completions", body)) as arriving:
+        async for now, event in arriving:
             for choice in event.get("choices") or []:
-                if choice.get("text") and first is None:
-                    first = time.perf_counter()
+                first = first or (now if choice.get("text") else None)
                 pieces.append(choice.get("text") or "")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-                break          # the last event (another server may keep the stream open)
+                break      # the last event (another server may keep the stream open)
     end = time.perf_counter()
     if tokens is None:
         raise RuntimeError("the stream ended without usage")
