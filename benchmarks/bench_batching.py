@@ -1,36 +1,25 @@
 """Benchmark of lessons 02-03: static versus continuous batching, and our batched decode
 versus transformers.
 
-    python -m benchmarks.bench_batching            # full run (a few minutes on a laptop CPU)
-    python -m benchmarks.bench_batching --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_batching            # a few minutes on a laptop CPU
+    python -m benchmarks.bench_batching --quick    # fewer repetitions
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+On the course queue (32 requests, batch size 8, every 8th wants 100 tokens, the others 10),
+each part side by side in one run:
 
-What it measures, on the course's queue (32 requests, batch size 8, every 8th request wants
-100 tokens and the others 10; the five course prompts in turn):
+1. static versus continuous batching: wall time and decode steps against the ideal schedule's,
+   every request to its max_tokens ("as asked") and with EOS; again on 128 requests with
+   long-tailed lengths;
+2. our batched generation versus ``model.generate`` (8 requests, 100 new tokens), same tokens;
+3. transformers' ``generate_batch`` on the same queues, same answers.
 
-1. static versus continuous batching: wall time (median and spread over repetitions), decode
-   steps, and the decode steps of the ideal schedule (``ideal_decode_steps``) and of static
-   batching (``static_decode_steps``). Run twice: "as asked" (every request gets exactly its
-   max_tokens: EOS is an ordinary token), which is the queue the lesson describes, and "with
-   EOS" (the drivers' default rule), where a request may end early.
-2. our batched generation (``generate_batched``) versus ``model.generate`` on the same batch
-   (the first 8 requests, 100 new tokens each), checking that the tokens are the same.
-3. transformers' own continuous batching (``transformers_generate_batch``, the manager behind
-   ``model.generate_batch``) on the same queue, checking that the answers are the same.
-
-Targets (lesson 03, this CPU): continuous >= 3.0x faster than static; decode steps within 15 %
-of the ideal bound; our batched generation <= 1.2x the time of ``model.generate``.
-
-Writes ``benchmarks/results/bench_batching.json`` and ``.md`` and prints the table. Exits
-with status 1 when a target is missed. Timings are only as quiet as the machine: the load
-average before the run is recorded with them.
+Targets (``targets.BATCHING``): continuous >= 3x static; decode steps within 15% of the ideal;
+ours <= 1.2x ``model.generate``. Writes ``bench_batching.json``, ``.md`` and ``batching.png``;
+exits with status 1 when a target is missed.
 """
 
 from __future__ import annotations
 
-import argparse
-import pathlib
 import random
 import statistics
 import sys
@@ -40,8 +29,8 @@ import transformers
 
 from benchmarks import PROMPTS
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
+                                   positive_int, run_facts, verdicts, write_results)
 from benchmarks.targets import BATCHING as TARGETS
 from benchmarks.timing import time_in_turns, traced
 from helpers import load_model
@@ -49,7 +38,6 @@ from helpers.batching import (generate_batched, generate_continuous, generate_st
                               ideal_decode_steps, static_decode_steps,
                               transformers_generate_batch)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
 LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 
@@ -57,7 +45,6 @@ LONG_BATCH_SIZE = 16  # the long-tailed queue's batch size
 def course_queue(n=32, every=8, long=100, short=10):
     """The lesson-03 queue: every ``every``-th request wants ``long`` tokens, the rest ``short``."""
     return [(PROMPTS[i % len(PROMPTS)], long if i % every == 0 else short) for i in range(n)]
-
 
 
 def long_tailed_queue(n=128, seed=0, scale=8, alpha=1.5, cap=200):
@@ -184,10 +171,8 @@ def plot(result, path):
 def markdown(result):
     lines = [
         "# Batching benchmark (lessons 02-03)", "",
-        f"Model: `{result['model']}`; {result['machine']}; torch {result['torch']}, "
-        f"transformers {result['transformers']}, {result['threads']} thread(s), "
-        f"{result['reps']} repetitions (median, min-max); load average before the run "
-        f"{numbers(result['load_average'])}.", "",
+        f"Model: `{result['model']}`; {facts_line(result)}; {result['reps']} repetitions "
+        "(median, min-max).", "",
     ]
     lines += course_queue_markdown(result)
     if "long_tail" in result:
@@ -262,23 +247,12 @@ def long_tail_markdown(lt):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (after a warm-up)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: the bundled model is so small that a "
-                             "second thread only adds waiting, and far more of it when anything "
-                             "else runs on the machine)")
+    parser = arguments(__doc__, "2 repetitions instead of 5")
+    parser.add_argument("--reps", type=positive_int, help="repetitions (after a warm-up)")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 5)
-    if reps < 1:
-        parser.error("--reps must be at least 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
+    out = begin(args)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
     result = {
@@ -304,7 +278,7 @@ def main(argv=None):
         result["long_tail"]["generate_batch"] = run_generate_batch(
             model, tokenizer, long_queue, reps, stop_at_eos=False, batch_size=LONG_BATCH_SIZE)
     result["targets_met"] = targets_met(result)
-    plot(result, pathlib.Path(args.out) / "batching.png")
+    plot(result, out / "batching.png")
     write_results(args.out, "bench_batching", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 

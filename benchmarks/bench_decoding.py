@@ -1,56 +1,37 @@
 """Decoding one sequence: what the KV cache buys, what torch.compile buys, and how far both are
 from what the hardware allows (lesson 01, and the roofline behind lessons 02-04).
 
-    python -m benchmarks.bench_decoding            # full run (about 3 minutes on 2 CPU cores)
+    python -m benchmarks.bench_decoding            # about 3 minutes on 2 CPU cores
     python -m benchmarks.bench_decoding --quick    # fewer repetitions, no compile, small grid
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+1. KV cache versus none, 50 to 400 new tokens (greedy, EOS ignored). Past the bundled model's
+   256 positions its position table is extended (rows repeat the last one): timing only.
+2. Lesson 10's decode step on a ``StaticCache``, eager versus ``torch.compile``, at batch 1, 8
+   and 64; the cold compile time apart; same tokens.
+3. A roofline for the decode step (``roofline.py``).
 
-1. KV cache versus no cache, for 50, 100, 200 and 400 new tokens after a short prompt (greedy,
-   EOS ignored, so every run makes exactly that many tokens). ``generate_no_cache`` re-reads
-   the whole sequence at every step, so its time grows with the square of the length;
-   ``generate_with_cache`` feeds one token a step, so its time grows linearly. The bundled
-   model has a context of 256 positions; to reach 400 tokens its position table is extended
-   to 512 rows (the rows past 256 repeat the last trained one). Timing does not depend on
-   what the weights say, and up to 200 tokens the model is exactly the bundled one.
-2. One decoding step, eager versus ``torch.compile``: the step (one token in, logits out)
-   runs with transformers' ``StaticCache`` (fixed shapes, so that one compiled graph serves
-   every step), eager and compiled, for 50 steps at batch 1, 8 and 64; the usual eager
-   step with the growing ``DynamicCache`` is timed beside them. Compilation happens on the
-   first call and is reported apart (a fresh inductor cache directory, so it is a cold
-   compile). The greedy tokens of all three must be the same.
-3. A roofline for the decode step: what it reads and computes against what this CPU and a T4
-   allow, and the measured steps (``roofline.py`` says how).
-
-Writes benchmarks/results/decoding.json, decoding.md, kv_cache.png and roofline.png.
+Writes ``decoding.json``, ``.md``, ``kv_cache.png`` and ``roofline.png``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
-import pathlib
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import transformers
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (load_average, machine, markdown_table, min_max, numbers,
-                                   verdicts, write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
+                                   positive_int, run_facts, verdicts, write_results)
 from benchmarks.roofline import bench_roofline, plot_roofline, roofline_markdown
 from benchmarks.timing import Candidate, time_in_turns, timed_once
 from helpers.generation import generate_no_cache, generate_with_cache
 from helpers.models import load_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Once upon a time"
-
 
 
 # --- 1. KV cache versus no cache ------------------------------------------------------------
@@ -93,67 +74,36 @@ def bench_kv_cache(model, tokenizer, lengths, reps):
 
 # --- 2. torch.compile -------------------------------------------------------------------------
 
-@torch.no_grad()
-def decode_steps(model, tokenizer, batch, steps, step_fn=None):
-    """Greedy decoding of ``steps`` tokens for ``batch`` copies of the prompt. ``step_fn``
-    (token, cache, position) -> logits runs each step on a StaticCache; None runs the usual
-    eager step with a DynamicCache. Returns (tokens of row 0, seconds of each step)."""
-    from transformers import StaticCache
-
-    ids = tokenizer([PROMPT] * batch, return_tensors="pt").input_ids
-    length = ids.shape[1]
-    cache = (StaticCache(config=model.config, max_cache_len=length + steps)
-             if step_fn else None)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                cache_position=torch.arange(length))
-    cache = out.past_key_values
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    tokens, seconds = [], []
-    for i in range(steps):
-        position = torch.tensor([length + i])
-        start = time.perf_counter()
-        if step_fn:
-            logits = step_fn(token, cache, position)
-        else:
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True,
-                           cache_position=position).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        seconds.append(time.perf_counter() - start)
-        tokens.append(int(token[0]))
-    return tokens, seconds
-
-
 def bench_compile(model, tokenizer, batches, steps, reps):
-    """Per-step time: eager DynamicCache, eager StaticCache, compiled StaticCache."""
-    def static_step(token, cache, position):
-        return model(input_ids=token, past_key_values=cache, use_cache=True,
-                     cache_position=position).logits
+    """Per-step time of lesson 10's static-cache decode step, eager and compiled, taking turns
+    (a sample: the fastest of ``steps`` steps, ``helpers.compilation.time_decode``)."""
+    from helpers.compilation import course_prompts, static_decode_step, time_decode
 
-    compiled = torch.compile(static_step, dynamic=False)
+    prompts = course_prompts(tokenizer, n=max(batches))
+    step = static_decode_step(model)
+    ways = {"eager_static_cache": step,
+            "compiled_static_cache": torch.compile(step, dynamic=False)}
     rows = []
     for batch in batches:
-        (compiled_tokens, first), seconds = timed_once(
-            lambda: decode_steps(model, tokenizer, batch, steps, compiled))
-        compile_seconds = seconds - sum(first[1:])
-        ways = {"eager_dynamic_cache": None, "eager_static_cache": static_step,
-                "compiled_static_cache": compiled}
-        # A sample is the median step of one run (decode_steps times each step); the compile
-        # run above was the warm-up.
-        timings = time_in_turns(
-            {name: Candidate(lambda fn=fn: decode_steps(model, tokenizer, batch, steps, fn),
-                             clock=lambda out: statistics.median(out[1]))
-             for name, fn in ways.items()}, repeats=reps, warmup=0)
-        row = {"batch": batch, "steps": steps, "compile_seconds": compile_seconds,
-               "same_tokens": all(tokens == compiled_tokens
-                                  for tokens, _ in timings.last.values())}
+        def run(fn, batch=batch):
+            return Candidate(lambda: time_decode(model, prompts, [batch], step=fn, steps=steps,
+                                                 repeats=1, progress=False)[batch],
+                             clock=lambda timing: timing.seconds_per_step)
+
+        first, seconds = timed_once(run(ways["compiled_static_cache"]).run)   # compiles
+        timings = time_in_turns({name: run(fn) for name, fn in ways.items()}, repeats=reps,
+                                warmup=0)
+        row = {"batch": batch, "steps": steps,
+               "compile_seconds": seconds - steps * first.seconds_per_step,
+               "same_tokens": all(torch.equal(t.token_ids, first.token_ids)
+                                  for t in timings.last.values())}
         for name in ways:
             row[name] = timings.spread(name)
-        row["eager_over_compiled"] = (row["eager_dynamic_cache"]["median"]
+        row["eager_over_compiled"] = (row["eager_static_cache"]["median"]
                                       / row["compiled_static_cache"]["median"])
-        print(f"  batch {batch}: eager {row['eager_dynamic_cache']['median'] * 1e3:.2f} ms/step "
-              f"(static cache {row['eager_static_cache']['median'] * 1e3:.2f}), compiled "
-              f"{row['compiled_static_cache']['median'] * 1e3:.2f} ms/step = "
-              f"{row['eager_over_compiled']:.2f}x; compile {compile_seconds:.1f} s; same "
+        print(f"  batch {batch}: eager {row['eager_static_cache']['median'] * 1e3:.2f} ms/step, "
+              f"compiled {row['compiled_static_cache']['median'] * 1e3:.2f} ms/step = "
+              f"{row['eager_over_compiled']:.2f}x; compile {row['compile_seconds']:.1f} s; same "
               f"tokens {row['same_tokens']}", flush=True)
         rows.append(row)
     return rows
@@ -186,10 +136,8 @@ def markdown(result):
     m = result["machine"]
     lines = [
         "# Decoding: KV cache, torch.compile, roofline", "",
-        f"{result['date']}, {m['cpu']}, {m['threads']} torch thread(s), "
-        f"torch {m['torch']}, transformers {m['transformers']}; load average before the run "
-        f"{numbers(m['load_average'])}. Medians over "
-        f"{result['args']['reps']} repetitions (min-max beside them).", "",
+        f"{result['date']}, {facts_line(m)}. Medians over {result['args']['reps']} "
+        "repetitions (min-max beside them).", "",
     ]
     lines += kv_cache_markdown(result["kv_cache"])
     if result.get("compile"):
@@ -212,37 +160,29 @@ def kv_cache_markdown(rows):
 
 
 def compile_markdown(rows):
-    table = [[r["batch"], f"{r['eager_dynamic_cache']['median'] * 1e3:.2f} ms",
-              f"{r['eager_static_cache']['median'] * 1e3:.2f} ms",
+    table = [[r["batch"], f"{r['eager_static_cache']['median'] * 1e3:.2f} ms",
               f"{r['compiled_static_cache']['median'] * 1e3:.2f} ms",
               f"**{r['eager_over_compiled']:.2f}x**", f"{r['compile_seconds']:.1f} s",
               r["same_tokens"]] for r in rows]
     return [
         "## One decode step: eager versus torch.compile", "",
-        *markdown_table(["batch", "eager, DynamicCache", "eager, StaticCache",
-                         "compiled, StaticCache", "eager / compiled", "compile time",
-                         "same tokens"], table, "rrrrrrr"),
-        "", f"Per-step medians over {rows[0]['steps']} steps. Compile time is the first "
-        "compiled run minus its other steps, with an empty inductor cache (a cold compile); "
-        "the first batch size pays for most of it.", ""]
+        *markdown_table(["batch", "eager", "compiled", "eager / compiled", "compile time",
+                         "same tokens"], table, "rrrrrr"),
+        "", f"Lesson 10's decode step on a StaticCache; a sample is the fastest of "
+        f"{rows[0]['steps']} steps, the table their median. Compile time is the first compiled "
+        "run minus its steps, with an empty inductor cache (a cold compile); the first batch "
+        "size pays for most of it.", ""]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="2 repetitions, no torch.compile, a smaller roofline grid")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 2)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1, as in the lessons)")
-    ap.add_argument("--context", type=int, default=64, help="KV positions in the roofline steps")
+    ap = arguments(__doc__, "2 repetitions, no torch.compile, a smaller roofline grid")
+    ap.add_argument("--reps", type=positive_int, help="repetitions (default 3, quick 2)")
+    ap.add_argument("--context", type=positive_int, default=64,
+                    help="KV positions in the roofline steps")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile part")
-    ap.add_argument("--out", default=str(RESULTS), help="output folder")
     args = ap.parse_args(argv)
     reps = args.reps or (2 if args.quick else 3)
-    if reps < 1 or args.threads < 1 or args.context < 1:
-        ap.error("--reps, --threads and --context must be at least 1")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     # A fresh inductor cache: the compile time reported is that of a first, cold compile.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 
@@ -250,10 +190,7 @@ def main(argv=None):
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": dict(vars(args), reps=reps),
-        "machine": {"cpu": machine(), "cpus": os.cpu_count(),
-                    "threads": args.threads, "torch": torch.__version__,
-                    "transformers": transformers.__version__,
-                    "load_average": load_average()},
+        "machine": run_facts(),
     }
     lengths = [50, 100, 200] if args.quick else [50, 100, 200, 400]
     print("KV cache vs no cache ...", flush=True)
@@ -272,8 +209,6 @@ def main(argv=None):
         "same tokens everywhere": all(r["same_tokens"] for r in result["kv_cache"])
         and all(r["same_tokens"] for r in result.get("compile", [])),
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     plot_kv(result["kv_cache"], out / "kv_cache.png")
     plot_roofline(result["roofline"], out / "roofline.png")
     write_results(out, "decoding", result, markdown(result))

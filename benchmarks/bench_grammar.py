@@ -1,25 +1,14 @@
 """Benchmark of lesson 07's JSON mode: grammar engines side by side on the bundled tokenizer.
 
-    python -m benchmarks.bench_grammar            # full run (a few minutes: slow cases are cut)
+    python -m benchmarks.bench_grammar            # a few minutes: slow cases are cut
     python -m benchmarks.bench_grammar --quick    # fewer repetitions, shorter cut-off
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
-For every grammar engine installed here (outlines-core, llguidance, xgrammar; one that is not
-installed is skipped, and the report says so) and every case, in a fresh process each:
-
-* compile time: schema (or regular expression) to something a request can be matched with;
-* peak memory: how far the process's peak resident memory (VmHWM) rose above what it held
-  before compiling (the engine's vocabulary already built);
-* per-token cost: computing the mask of allowed tokens, applying it to a logits row and
-  advancing by one token, along a seeded random walk of up to 64 tokens through the grammar.
-
-The cases are lesson 07's schemas (and the server tests'), and hostile ones: strings with a
-maximum length, a big enum, deep nesting, unsatisfiable schemas, and regular expressions
-whose automaton grows exponentially. A case that does not compile within the cut-off is
-stopped (its peak memory is the one reached by then); one the engine refuses is marked so.
-
-Writes ``benchmarks/results/bench_grammar.json`` and ``.md`` and prints the table.
+For every engine installed (outlines-core, llguidance, xgrammar) and every case, each in a
+fresh process: compile time, peak memory above the process's before compiling (VmHWM), and the
+cost per token (mask, apply, advance) along a seeded random walk of up to 64 tokens. The cases
+are lesson 07's schemas and hostile ones (long strings, a big enum, deep nesting,
+unsatisfiable schemas, exponential regular expressions); one past the cut-off is stopped.
+Writes ``bench_grammar.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -38,8 +27,8 @@ import threading
 import time
 
 from benchmarks.grammar_engines import ENGINE_CLASSES, ENGINES
-from benchmarks.results_io import (load_average, machine, markdown_table, numbers, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, load_average, machine, markdown_table, numbers,
+                                   verdicts, write_results)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WALK = 64          # tokens of the random walk that prices the mask
@@ -272,14 +261,8 @@ def markdown(result: dict) -> str:
              "Peak MB: how far the process's peak resident memory rose while compiling and "
              "walking (for a cut case: by the time it was stopped), above what it held after "
              "a warm-up compilation and walk. µs/token: mask, apply to a logits row, advance; "
-             f"a seeded random walk of up to {WALK} tokens. llguidance runs with the server's "
-             "settings (helpers/server/grammar.py).", "",
-             "The server uses llguidance: like xgrammar it compiles every case here in "
-             "milliseconds, and it also bounds its own work (fuel for each compilation and "
-             "each token's mask, a cap on lexer states), refuses the keywords it does not "
-             "implement instead of ignoring them (xgrammar follows `{\"not\": {}}` as if it "
-             "allowed anything), and needs no other package (xgrammar needs torch, triton "
-             "and apache-tvm-ffi).", ""]
+             f"a seeded random walk of up to {WALK} tokens. llguidance, the server's engine, "
+             "runs with the server's settings (helpers/server/grammar.py).", ""]
     if result["skipped"]:
         lines += [f"Not installed here, skipped: {', '.join(result['skipped'])}.", ""]
     if refusals:
@@ -302,10 +285,8 @@ def checks(result: dict) -> dict[str, bool]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="2 repetitions instead of 5, cases cut after 10 s instead of 30 s")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    parser = arguments(__doc__, "2 repetitions instead of 5, cases cut after 10 s instead of "
+                                "30 s", threads=False)
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

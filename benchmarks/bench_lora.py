@@ -1,57 +1,42 @@
 """Lesson 06's figures: one batch, one adapter per row -- a loop versus a gathered product.
 
     python -m benchmarks.bench_lora              # about a minute (1 torch thread, 2-core CPU)
-    python -m benchmarks.bench_lora --quick      # a smoke test of everything (about 30 s)
+    python -m benchmarks.bench_lora --quick      # about 30 s
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+1. The toy model (hidden 1024) with 64 random adapters of rank 2: one decoding step for batch
+   1..64, the adapters' part by ``linear_lora_loop`` or ``linear_lora_gathered``, alone and in
+   the whole model; again on every core.
+2. The toy model, batch sizes times distinct adapters in the batch (rows take them in turn):
+   the adapters' part alone, loop versus gathered.
+3. The bundled model with the shipped adapters, a batch of 32 task prompts, row i on adapter
+   i mod (adapters + 1) (the last: none): greedy ``generate`` through our ``MultiLora`` versus
+   peft's mixed-adapter batches (``adapter_names=``), whole answers and first token; identical
+   tokens; the base model timed as the floor.
 
-1. The toy model (hidden 1024, ten colour words) with 64 random adapters of rank 2: the time
-   of one decoding step (one token per row) for batch sizes 1..64, with the adapters' part
-   computed by ``linear_lora_loop`` (one row at a time) or ``linear_lora_gathered``
-   (``index_select`` + ``torch.bmm``). Timed twice: the adapter part alone, and the whole
-   model (embedding -> linear + adapters -> lm_head).
-2. The toy model, a grid: batch sizes 1..64 times the number of distinct adapters in the batch
-   (1..64, never more than the batch). ``distinct`` adapters are drawn from the 64 (seeded)
-   and the rows take them in turn (round robin), so every one of them is used. Only the
-   adapters' part is timed, loop versus gathered, alternating (median of the repetitions).
-3. The bundled model with the shipped adapters: a batch of 32 task prompts (left-padded),
-   row i using adapter i mod (adapters + 1) and the last of each cycle using none; greedy
-   generation of the whole answers (at most ``--tokens`` tokens) with ``model.generate``
-   through our ``MultiLora`` layers versus peft's mixed-adapter batches
-   (``generate(..., adapter_names=[...])``), and of the first token alone. The tokens must be
-   identical; the base model without adapters is timed as the floor.
-4. The bundled model, 64 random adapters, one decoding step over a grid of batch sizes times
-   distinct adapters: ``lora_grid.py`` (its docstring says how).
-
-The toy model always runs on the CPU; ``--device`` moves the bundled model. Writes
-benchmarks/results/ (or ``--out``): lora.json (every number, every repetition), lora.md (the
-tables), lora_toy.png and lora_grid.png, and prints the markdown. Exits with status 1 when a check
-fails (tokens or logits that differ).
+Targets (``targets.LORA``). Writes ``lora.json``, ``lora.md`` and ``lora_toy.png``; exits with
+status 1 when a check fails (tokens or logits that differ).
 """
 
-import argparse
 import datetime
 import os
 import pathlib
-import platform
 import sys
 import time
+import warnings
 
 import torch
 
-from benchmarks.lora_grid import (MODEL, bench_real_grid, few_loaded_markdown, load_peft,
-                                  plot_grid, ratio_matrix, real_grid_markdown, rows_for,
-                                  subtitle)
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, positive_int,
+                                   run_facts, write_results)
 from benchmarks.timing import calls_per_sample, time_in_turns
 from helpers.corpus import task_examples, task_prompt
 from helpers.lora import (ADAPTERS_DIR, NO_ADAPTER, ToyMultiLoraModel, linear_lora_gathered,
                           linear_lora_loop, load_adapters, random_adapters, shipped_adapters)
 from helpers.models import load_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+#: The model of part 3 (the shipped adapters need it).
+MODEL = "bundled"
 
 #: Toy grid (part 2): batch sizes times distinct adapters in the batch.
 TOY_BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -59,6 +44,17 @@ TOY_DISTINCT = [1, 2, 4, 8, 16, 32, 64]
 
 
 # --- parts 1 and 2: the toy model --------------------------------------------------------
+
+def rows_for(batch: int, distinct: int, pool: int, seed: int) -> list[int]:
+    """Adapter indices for the rows of a batch: ``distinct`` adapters drawn (seeded) from
+    0..pool-1, taken in turn by the rows, so each of them serves at least one row."""
+    if not 1 <= distinct <= min(batch, pool):
+        raise ValueError(f"need 1 <= distinct <= batch and pool, got distinct={distinct}, "
+                         f"batch={batch}, pool={pool}")
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(pool, generator=generator)[:distinct].tolist()
+    return [chosen[i % distinct] for i in range(batch)]
+
 
 @torch.no_grad()
 def bench_toy(args) -> list[dict]:
@@ -123,6 +119,20 @@ def bench_toy_grid(args) -> list[dict]:
 
 
 # --- part 3: the bundled model, shipped adapters, whole answers ---------------------------
+
+def load_peft(folders: dict[str, pathlib.Path], device):
+    """A fresh bundled model with the adapters of ``folders`` loaded the peft way."""
+    from peft import PeftModel
+
+    names = list(folders)
+    with warnings.catch_warnings():  # a deprecation notice peft triggers in transformers 5
+        warnings.simplefilter("ignore", FutureWarning)
+        model = PeftModel.from_pretrained(load_model(MODEL, device=device)[0],
+                                          folders[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(folders[name], adapter_name=name)
+    return model.eval()
+
 
 def bench_real(args) -> dict:
     names = shipped_adapters()
@@ -206,8 +216,10 @@ def plot_toy(result, path: pathlib.Path) -> None:
         axis.minorticks_off()
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
+    m = result["machine"]
     fig.suptitle(f"Toy model (hidden 1024, rank {result['args']['rank']}): one adapter per "
-                 f"row, a loop versus a gathered product\n{subtitle(result)}")
+                 f"row, a loop versus a gathered product\n{m['device']}, {m['threads']} torch "
+                 f"thread(s), torch {m['torch']}, {result['date']}")
     save_figure(fig, path, dpi=120)
 
 
@@ -217,18 +229,14 @@ def markdown(result) -> str:
     m = result["machine"]
     lines = [
         "# Multi-LoRA: one batch, one adapter per row", "",
-        f"{result['date']}, {m['device']} ({m['cpu']}, {m['cores']} cores; load average "
-        f"{m['load_average']} before the run), {m['threads']} torch thread(s), torch {m['torch']}, "
-        f"transformers {m['transformers']}, peft {m['peft']}. Median wall times; they change "
+        f"{result['date']}, {m['device']}: {facts_line(m)}; peft {m['peft']}. Median wall "
+        "times; they change "
         "from run to run." + (" **Smoke run (`--quick`): too few repetitions to quote.**"
                               if result["args"]["quick"] else ""), "",
     ]
     lines += toy_markdown(result) + toy_grid_markdown(result)
     if result.get("real"):
         lines += real_markdown(result["real"])
-    if result.get("real_grid"):
-        lines += real_grid_markdown(result["real_grid"], result["repeats"] * 4)
-        lines += few_loaded_markdown(result["real_grid"])
     return "\n".join(lines) + "\n"
 
 
@@ -254,6 +262,15 @@ def toy_markdown(result) -> list[str]:
                   + ". The gathered product spreads over the threads; the loop's tiny "
                   "products cannot, so the gap widens with more cores."]
     return lines
+
+
+def ratio_matrix(cells, batches, distincts, key) -> list[str]:
+    """A markdown table: one row per batch size, one column per distinct-adapter count."""
+    by_cell = {(c["batch"], c["distinct"]): c[key] for c in cells}
+    rows = [[b] + [f"{by_cell[b, d]:.2f}x" if (b, d) in by_cell else "" for d in distincts]
+            for b in batches]
+    return markdown_table(["batch \\ adapters", *map(str, distincts)], rows,
+                          "r" * (len(distincts) + 1))
 
 
 def toy_grid_markdown(result) -> list[str]:
@@ -303,21 +320,8 @@ def real_markdown(real) -> list[str]:
 
 # --- command line ---------------------------------------------------------------------------
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke test: 1 repetition (4 in the grids), answers of at most "
-                         "20 tokens")
+    ap = arguments(__doc__, "1 repetition (4 in the toy parts), answers of at most 20 tokens")
     ap.add_argument("--adapters", type=positive_int, default=64,
                     help="random adapters of the toy model (the toy grid uses at most this many)")
     ap.add_argument("--rank", type=positive_int, default=2, help="rank of the toy adapters")
@@ -327,20 +331,15 @@ def parse_args(argv=None):
                     help="most new tokens per part-3 run (default 80: the JSON answers need ~75; "
                          "20 with --quick)")
     ap.add_argument("--repeats", type=positive_int, default=None,
-                    help="repetitions of part 3 (default 5, 1 with --quick); parts 1, 2 and 4 "
+                    help="repetitions of part 3 (default 5, 1 with --quick); parts 1 and 2 "
                          "take 4 times as many")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="torch threads (default 1, as in the lessons: lesson 06 times its "
-                         "figures on one thread)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the bundled model runs (the toy model stays on the CPU)")
     ap.add_argument("--skip-real", action="store_true", help="only the toy model (parts 1 and 2)")
-    ap.add_argument("--out", type=pathlib.Path, default=RESULTS,
-                    help="output folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device here")
-    if args.out.exists() and not args.out.is_dir():
+    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
         ap.error(f"--out {args.out}: exists and is not a folder")
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.tokens = args.tokens or (20 if args.quick else 80)
@@ -350,20 +349,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import peft
-    import transformers
 
     started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    load = load_average()
-    result = {"date": datetime.date.today().isoformat(),
-              "args": {**vars(args), "out": str(args.out)}, "repeats": args.repeats,
-              "machine": {"device": (torch.cuda.get_device_name() if args.device == "cuda"
-                                     else f"{platform.machine()} CPU"),
-                          "cpu": machine(), "cores": os.cpu_count(),
-                          "load_average": numbers(load) if load else "n/a",
-                          "threads": args.threads, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "peft": peft.__version__}}
+    out = begin(args)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    result = {"date": datetime.date.today().isoformat(), "args": vars(args),
+              "repeats": args.repeats,
+              "machine": {**run_facts(), "device": device, "peft": peft.__version__}}
     result["toy"] = bench_toy(args)
     cores = os.cpu_count() or 1
     if args.device == "cpu" and cores > args.threads:  # the toy sweep again on every core
@@ -373,24 +365,16 @@ def main(argv=None) -> int:
     result["toy_grid"] = bench_toy_grid(args)
     if not args.skip_real:
         result["real"] = bench_real(args)
-        result["real_grid"] = bench_real_grid(args)
     result["wall_s"] = time.perf_counter() - started
 
     checks = [r["same_logits"] for r in result["toy"] + result.get("toy_all_cores", {}).get("rows", [])]
     checks += [c["same_output"] for c in result["toy_grid"]]
     if not args.skip_real:
         checks.append(result["real"]["identical_tokens"])
-        checks += [c[key] for c in result["real_grid"]["cells"] + result["real_grid"]["few_loaded"]
-                   for key in ("same_logits", "adapters_change_logits",
-                               "cached_step_matches_full_forward",
-                               "cache_unchanged_by_repetitions")]
     result["checks_passed"] = all(checks)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_toy(result, args.out / "lora_toy.png")
-    if not args.skip_real:
-        plot_grid(result, args.out / "lora_grid.png")
-    write_results(args.out, "lora", result, markdown(result))
+    plot_toy(result, out / "lora_toy.png")
+    write_results(out, "lora", result, markdown(result))
     print(f"{time.perf_counter() - started:.0f} s in all; checks "
           f"{'passed' if all(checks) else 'FAILED'}", flush=True)
     return 0 if all(checks) else 1

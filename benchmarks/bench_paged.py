@@ -1,50 +1,37 @@
 """Benchmark of lesson 08: the paged KV cache, prefix caching and chunked prefill.
 
-    python -m benchmarks.bench_paged            # full run (under a minute on a laptop CPU)
-    python -m benchmarks.bench_paged --quick    # fewer repetitions, for a smoke test
+    python -m benchmarks.bench_paged            # under a minute on a laptop CPU
+    python -m benchmarks.bench_paged --quick    # fewer repetitions
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+1. Requests at once in one KV budget (what a padded cache reserves for 8 of the course
+   queue's longest requests): padded 8, paged as many as ``generate_paged`` runs. Target >= 2x.
+2. TTFT of a request whose 200-token prefix is cached, against a fresh cache. Target >= 3x.
+3. The worst gap of three running streams while a long prompt arrives, whole against chunks.
+4. Tokens/s of contiguous and paged continuous batching and of ``generate_batch`` on the
+   course queue.
 
-What it measures, side by side in one run, on the bundled model:
-
-1. requests running at once in one KV budget (the memory of 8 of the course queue's longest
-   requests, what a padded cache reserves for a batch of 8): padded fits 8; paged is the
-   most rows ``generate_paged`` runs together with a pool of exactly that many blocks and 32
-   slots. Same tokens as contiguous continuous batching. Target >= 2x.
-2. time to first token (the prefill) of a request whose 200-token prefix an earlier request
-   left in the cache, against the same request on a fresh cache. Same tokens. Target >= 3x.
-3. the worst gap between two tokens of three running streams when a long prompt arrives,
-   whole prefill against chunks of 32 tokens (no target: a figure to look at).
-4. throughput (tokens/s) of contiguous and paged continuous batching and of transformers'
-   ``generate_batch`` on the course queue, every request to its max_tokens; the decode step's
-   time on each cache shows what gathering keys and values through block tables costs.
-
-Writes ``benchmarks/results/bench_paged.json`` and ``.md`` and ``paged.png`` and prints the
-table. Exits with status 1 only when a same-tokens check fails.
+Same tokens everywhere. Writes ``bench_paged.json``, ``.md`` and ``paged.png``; exits with
+status 1 only when a same-tokens check fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import pathlib
 import statistics
 import sys
 
-import torch
 import transformers
 
 from benchmarks.bench_batching import course_queue
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import (markdown_table, min_max, numbers, run_facts, verdicts,
-                                   write_results)
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, min_max,
+                                   run_facts, verdicts, write_results)
 from benchmarks.targets import PAGED as TARGETS
 from benchmarks.timing import Candidate, time_in_turns, traced
 from helpers import load_model
 from helpers.batching import Trace, generate_continuous, transformers_generate_batch
 from helpers.paged import PagedKVCache, generate_paged, worst_inter_token_gap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
 BLOCK = 16
 CHUNK = 32
@@ -199,10 +186,8 @@ def markdown(result):
              f"{1 / t['paged_over_contiguous']:.2f}x", "", t["same_tokens"]]]
     step = {n: t[n]["decode_seconds_per_step"] * 1e3 for n in ("contiguous", "paged")}
     lines = ["# Paged KV cache benchmark (lesson 08)", "",
-             f"Model: `{result['model']}`; {result['machine']}; torch {result['torch']}, "
-             f"transformers {result['transformers']}, {result['threads']} thread(s), "
-             f"{result['reps']} repetitions (median); load average before the run "
-             f"{numbers(result['load_average'])}.", "",
+             f"Model: `{result['model']}`; {facts_line(result)}; {result['reps']} "
+             "repetitions (median).", "",
              *markdown_table(["figure", "baseline", "lesson 08", "ratio", "target", "same tokens"],
                              rows, "lrrrrl"), "",
              f"- KV budget: {c['budget_blocks']} blocks of {c['block_size']} tokens (8 x the "
@@ -220,15 +205,11 @@ def markdown(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser = arguments(__doc__, "2 repetitions instead of 5")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     args = parser.parse_args(argv)
     reps = 2 if args.quick else 5
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     model, tokenizer = load_model(args.model, device="cpu")
     queue = course_queue()
     result = {"model": args.model or "bundled", "reps": reps, **run_facts()}
@@ -241,8 +222,7 @@ def main(argv=None):
     print(f"chunked prefill (x{reps}) ...", flush=True)
     result["chunked"] = chunked_prefill(model, tokenizer, reps)
     result["targets_met"] = targets_met(result)
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, pathlib.Path(args.out) / "paged.png")
+    plot(result, out / "paged.png")
     write_results(args.out, "bench_paged", result, markdown(result))
     return 0 if result["targets_met"]["same tokens everywhere"] else 1
 

@@ -2,34 +2,25 @@
 
     python -m benchmarks.bench_quantization            # about a minute on 2 CPU cores
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
-
-Measures, for the bundled model on CPU:
-  * memory footprint: fp32, hand-made uint8 (per-tensor and per-channel, states counted),
-    torchao int8 weight-only (after turning GPT-2's Conv1D layers into nn.Linear), and torchao
-    applied to the model as it is (which finds only the tied output head);
-  * perplexity on held-out text (``corpus(seed=1)``) for each, and at 4 bits for contrast;
-  * decode speed: median seconds for ``--tokens`` greedy tokens with the KV cache;
-  * the greedy continuation of the course prompts.
-
-Writes benchmarks/results/quantization.json and quantization.md and prints the markdown.
+For fp32, hand-made uint8 (per-tensor and per-channel), torchao int8 weight-only (Conv1D
+turned into nn.Linear first) and torchao on the model as it is: footprint, perplexity on
+held-out text (and at 4 bits for contrast), decode speed (``--tokens`` greedy tokens, the
+variants taking turns) and the greedy continuations. Writes ``quantization.json``, ``.md`` and
+``quantization.png``.
 """
 
-import argparse
 import copy
 import datetime
-import pathlib
 
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import machine, write_results
+from benchmarks.results_io import arguments, begin, machine, positive_int, write_results
 from benchmarks.timing import Candidate, time_in_turns, timed_once
 from helpers.quantization import (dequantize_model, footprint, perplexity, quantize_model,
                                   torchao_int8_weight_only)
 from helpers.quiet import import_torchao, quiet_stderr
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PROMPTS = ["The quick brown fox jumped over the", "Jack and Jill", "Humpty Dumpty sat"]
 
@@ -60,19 +51,16 @@ def continuations(model, tokenizer, tokens: int = 20) -> dict[str, str]:
             for p in PROMPTS}
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--docs", type=int, default=200, help="held-out documents for perplexity")
-    ap.add_argument("--tokens", type=int, default=50, help="greedy tokens per timed run")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs (the median is kept)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1, as in the lessons)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--quick", action="store_true", help="20 documents, 2 timed runs: a smoke test")
-    args = ap.parse_args()
+def parse_args(argv=None):
+    ap = arguments(__doc__, "20 documents, 2 timed runs")
+    ap.add_argument("--docs", type=positive_int, default=200,
+                    help="held-out documents for perplexity")
+    ap.add_argument("--tokens", type=positive_int, default=50, help="greedy tokens per timed run")
+    ap.add_argument("--repeats", type=positive_int, default=5,
+                    help="timed runs (the median is kept)")
+    args = ap.parse_args(argv)
     if args.quick:
         args.docs, args.repeats = 20, 2
-    if min(args.docs, args.tokens, args.repeats, args.threads) < 1:
-        ap.error("--docs, --tokens, --repeats and --threads must be at least 1")
     return args
 
 
@@ -123,9 +111,9 @@ def measure_variants(model, tokenizer, texts, torchao) -> tuple[list[dict], dict
     return rows, timed
 
 
-def main():
-    args = parse_args()
-    torch.set_num_threads(args.threads)
+def main(argv=None):
+    args = parse_args(argv)
+    out = begin(args)
     try:
         torchao = import_torchao()  # first, so that loading the model prints nothing either
     except ImportError as err:
@@ -155,8 +143,7 @@ def main():
         "held_out_docs": args.docs, "decode_tokens": args.tokens, "repeats": args.repeats,
         "rows": rows,
     }
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, pathlib.Path(args.out) / "quantization.png")
+    plot(result, out / "quantization.png")
     write_results(args.out, "quantization", result, to_markdown(result))
 
 

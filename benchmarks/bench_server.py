@@ -1,76 +1,41 @@
 """Benchmark of lesson 07: the server under concurrent streaming clients.
 
-    python -m benchmarks.bench_server            # full run (about two minutes on a 2-core CPU)
-    python -m benchmarks.bench_server --quick    # one repetition, fewer levels (< 1 minute)
+    python -m benchmarks.bench_server            # about two minutes on a 2-core CPU
+    python -m benchmarks.bench_server --quick    # < 1 minute
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+The server runs with its default flags (one torch thread) in its own process
+(``serve_in_background``), started once; this process is the clients (httpx, one connection
+each). Every request is a course prompt with ``max_new_tokens`` new tokens and EOS ignored,
+greedy. In turns, after a warm-up:
 
-The server runs in its own process (``helpers.server.serve_in_background``), as in the lesson,
-started once for the whole run; this process is the clients (httpx, streaming
-``POST /generate_stream``, reading the server-sent events as they come). Each request is a
-course prompt with ``max_new_tokens`` new tokens and ``ignore_eos_token`` (so that every
-request produces exactly that many tokens, and runs with the same number of requests do the
-same work). Greedy.
+1. 16 requests one after another (the "idle" TTFT), the same 16 at once (TTFT "under load"),
+   and the same 16 through lesson 03's decode loop on batch 1 in this process (no server, no
+   HTTP); each ratio is the median of the ratios within a turn. Single-token probes sent while
+   the 16 stream give the TTFT of a request that joins a busy batch.
+2. a sweep over 1, 4, 16 and 64 clients: tokens/s, TTFT and inter-token gaps p50/p95 (median
+   over the repetitions, min-max beside it).
+3. side by side with ``transformers serve --continuous-batching`` (``transformers_serve.py``)
+   at 1, 16 and 64 clients, on OpenAI's streaming ``/v1/completions`` of both.
 
-The server runs with its default flags (the point of the figures: what a user gets without
-tuning), except one torch thread, as in every benchmark of the course. What it measures, after
-a warm-up request:
-
-1. one after another: 16 requests, each alone on an idle server. Tokens/s = all tokens / wall
-   time; TTFT (time to first token: from sending the request to its first event) = "idle"
-   TTFT.
-2. concurrently: the same 16 requests at once. Tokens/s = all tokens / wall time from the
-   first request sent to the last event received; the clients' TTFT = TTFT "under load".
-3. the bare decode loop: the same 16 requests one after another through lesson 03's loop
-   (``init_batch``, then ``generate_next_token`` until done) on batch 1, in this process: no
-   server, no HTTP. Run 1 / run 3 is what the server keeps of the model's speed at one
-   client (target >= 70%).
-   The three take turns (3, 1, 2 in each turn); each ratio (2 / 1, 1 / 3) is the median of the
-   ratios within each turn.
-4. probes: while a concurrent run streams, single-token requests sent one after another
-   measure the TTFT of a request that joins a busy batch (it waits for the current step, then
-   its prefill is merged in).
-5. a sweep over concurrency: 1, 4, 16 and 64 clients, each level that many requests sent at
-   once (same prompts, same number of new tokens). Per level: wall time, tokens, tokens/s,
-   TTFT p50/p95, and the inter-token latency p50/p95 as the clients see it (the time between
-   two consecutive events of one stream, over every stream of the run; events that reach the
-   client in the same read count as a gap of ~0). Every request opens its own connection, as
-   separate clients would, so TTFT includes connecting and the server reading every request
-   that arrives at once. Each figure is the median over repetitions, with its spread
-   (min-max); the levels take turns within each repetition, so that a slow moment of the
-   machine does not land on one level only.
-6. side by side with ``transformers serve --continuous-batching`` (``transformers_serve.py``):
-   1, 16 and 64 clients on both servers, OpenAI's streaming ``/v1/completions`` on each, the
-   same prompts and lengths, taking turns, both on ``--device`` (their ``--device`` follows
-   ours). Target: ours >= 1.5x their tokens/s at 16 clients.
-
-Targets (lesson 07, this CPU): concurrent tokens/s >= 4x one-after-another; one client >= 70%
-of the bare loop; >= 1.5x transformers serve at 16 clients. Also checks that the runs return
-the same texts (ours among themselves, and ours against transformers serve: greedy on the same
-model), and that every request of the sweep was answered in full.
-
-Writes ``benchmarks/results/bench_server.json`` (all numbers) and ``.md`` (the tables, with
-the machine, threads, load average and date), ``benchmarks/results/server.png`` (tokens/s and
-TTFT versus the number of clients) and prints the tables. Exits with status 1 when a target or
-a check is missed.
+Targets (``targets.SERVER``): concurrent >= 4x one-after-another; one client >= 70% of the bare
+loop; >= 1.5x transformers serve at 16 clients; checks: the same texts everywhere, every sweep
+request answered in full. Writes ``bench_server.json``, ``.md`` and ``server.png``; exits with
+status 1 when a target or a check is missed.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
-import os
-import pathlib
-import platform
 import statistics
 import sys
 import time
 
 import httpx
 
-from benchmarks.results_io import load_average, write_results
+from benchmarks.results_io import (arguments, begin, load_average, positive_int, run_facts,
+                                   write_results)
 from benchmarks.serving import (at_once, figures, jobs, levels_argument, metrics, percentile,
                                 stream)
 from benchmarks.timing import Candidate, spread, time_in_turns
@@ -79,7 +44,6 @@ from benchmarks.transformers_serve import TransformersServe, against_transformer
 from helpers.batching import Trace, generate_sequential, model_context
 from helpers.server import serve_in_background
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWEEP_LEVELS = (1, 4, 16, 64)
 COMPARE_LEVELS = (1, 16, 64)
 QUICK = {"levels": [1, 16], "compare_levels": [1, 16], "new_tokens": 32, "probes": 3}
@@ -213,34 +177,27 @@ def tokens_per_second(seen, name):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (< 1 minute): 1 repetition of each part instead of 5 "
-                             "(16-request runs, side by side) and 5 (sweep), levels 1 and 16, "
-                             f"{QUICK['new_tokens']} new tokens, {QUICK['probes']} probes")
-    parser.add_argument("--reps", type=int, default=None,
+    parser = arguments(__doc__, "1 repetition of each part instead of 5, levels 1 and 16, "
+                                f"{QUICK['new_tokens']} new tokens, {QUICK['probes']} probes")
+    parser.add_argument("--reps", type=positive_int,
                         help="repetitions of the 16-request runs and of the side-by-side run")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent requests (16)")
-    parser.add_argument("--new-tokens", type=int, default=None,
-                        help="new tokens per request (64)")
+    parser.add_argument("--clients", type=positive_int, default=16,
+                        help="concurrent requests (16)")
+    parser.add_argument("--new-tokens", type=positive_int, help="new tokens per request (64)")
     parser.add_argument("--levels", type=levels_argument, default=None,
                         help="concurrent clients of the sweep, comma-separated (1,4,16,64)")
     parser.add_argument("--compare-levels", type=levels_argument, default=None,
                         help="clients of the side-by-side run with transformers serve (1,16,64)")
-    parser.add_argument("--sweep-reps", type=int, default=None,
+    parser.add_argument("--sweep-reps", type=positive_int,
                         help="repetitions of the sweep (after a warm-up)")
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="server slots (default: the server's own default)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the servers "
-                        "and the bare loop (default 1, as the other benchmarks)")
     parser.add_argument("--engine", choices=("process", "thread"), default=None,
                         help="where our server runs its model (default: the server's default)")
-    parser.add_argument("--probes", type=int, default=None,
+    parser.add_argument("--probes", type=int,
                         help="single-token probes per concurrent run (10)")
     parser.add_argument("--model", default=None, help="model name or folder (default: bundled)")
     parser.add_argument("--device", default="cpu", help="server device (default cpu)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                        help="output folder")
     args = parser.parse_args(argv)
     full = {"levels": list(SWEEP_LEVELS), "compare_levels": list(COMPARE_LEVELS),
             "new_tokens": 64, "probes": 10}
@@ -251,20 +208,19 @@ def parse_args(argv=None):
     # moves one turn's figure by 20 % or more; the median of five keeps one such turn out.
     args.reps = args.reps or (1 if args.quick else 5)
     args.sweep_reps = args.sweep_reps or (1 if args.quick else 5)
-    if min(args.reps, args.sweep_reps, args.clients, args.new_tokens) < 1:
-        parser.error("--reps, --sweep-reps, --clients and --new-tokens must be at least 1")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import torch
-
     from helpers.models import load_model, resolve_model_name
 
     started = time.perf_counter()
-    result = describe_run(args)
-    torch.set_num_threads(args.threads)
+    out = begin(args)
+    result = {"model": args.model or "bundled", "device": args.device, "reps": args.reps,
+              "clients": args.clients, "new_tokens": args.new_tokens, "quick": args.quick,
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              **run_facts()}
     model, tokenizer = load_model(args.model, device=args.device)
     work = jobs(args.clients, args.new_tokens)
     print("starting the servers ...", flush=True)
@@ -300,27 +256,10 @@ def main(argv=None):
     result["load_average_after"] = load_average()
     result["benchmark_seconds"] = time.perf_counter() - started
 
-    plot(result, pathlib.Path(args.out) / "server.png")
-    write_results(args.out, "bench_server", result, markdown(result))
-    print(f"plot: {pathlib.Path(args.out) / 'server.png'}; "
-          f"{result['benchmark_seconds']:.0f} s in all")
+    plot(result, out / "server.png")
+    write_results(out, "bench_server", result, markdown(result))
+    print(f"plot: {out / 'server.png'}; {result['benchmark_seconds']:.0f} s in all")
     return 0 if all(result["targets_met"].values()) else 1
-
-
-def describe_run(args) -> dict:
-    """What the result records about the run itself."""
-    import torch
-    import transformers
-
-    return {
-        "model": args.model or "bundled", "device": args.device, "reps": args.reps,
-        "threads": args.threads,
-        "clients": args.clients, "new_tokens": args.new_tokens, "quick": args.quick,
-        "load_average": load_average(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def summarise(seen) -> dict:

@@ -1,40 +1,29 @@
 """Benchmark of lesson 09: speculative decoding, greedy, batch 1, on the bundled model.
 
-    python -m benchmarks.bench_speculative            # full run (a few minutes on a laptop CPU)
+    python -m benchmarks.bench_speculative            # a few minutes on a laptop CPU
     python -m benchmarks.bench_speculative --quick    # fewer prompts and repetitions (< 1 min)
 
-(from the repository's root folder, as every benchmark: ``benchmarks`` is a package there).
+1. The copy task (the answer repeats a nursery rhyme from the prompt): prompt lookup (k = 8)
+   against plain greedy decoding, same text.
+2. Story continuation (48 new tokens): the draft model against plain greedy for k = 1, 2, 4,
+   with its acceptance and the cost model's break-even (lesson 09, section 5).
+3. Ours against transformers on the same prompts and k: ``prompt_lookup_num_tokens`` on the
+   copy task, ``assistant_model`` on the stories.
 
-What it measures, side by side in one run (each round runs every candidate once, in turn):
-
-1. the copy-heavy task of lesson 09: the answer repeats the prompt (a nursery rhyme followed
-   by its first four words; the model says the rest of it again, to end-of-text). Prompt
-   lookup (k = 8) against plain greedy decoding (``generate_with_cache``): tokens/s, same
-   text. Target >= 1.5x.
-2. story continuation (held-out stories, 48 new tokens, no stop at end-of-text): the draft
-   model against plain greedy, for k = 1, 2, 4: tokens/s ratio and acceptance. The cost model
-   (lesson 09 section 5) gives, for each k, the draft/plain step-time ratio below which the
-   draft pays: c < (E[tokens per verify] * t_step - t_verify(k)) / (k * t_step), with
-   E = (1 - alpha^(k+1)) / (1 - alpha), t_step plain decoding's time per token and t_draft,
-   t_verify the times ``speculative_generate`` measured in the same runs.
-3. ours against transformers, same prompts and k: ``generate(prompt_lookup_num_tokens=8)``
-   on the copy task, ``generate(assistant_model=draft)`` (k = 2, constant schedule) on the
-   stories. Target >= 1.0x tokens/s for both.
-
-Writes ``benchmarks/results/bench_speculative.json`` and ``.md`` and ``speculative.png``
-and prints the table. Exits with status 1 when a target or a same-text check is missed.
+Targets (``targets.SPECULATIVE``): lookup >= 1.5x plain; ours >= transformers in both. Writes
+``bench_speculative.json``, ``.md`` and ``speculative.png``; exits with status 1 when a target
+or a same-text check is missed.
 """
 
 from __future__ import annotations
 
-import argparse
-import pathlib
 import sys
 
 import torch
 
 from benchmarks.plots import pyplot, save_figure
-from benchmarks.results_io import markdown_table, numbers, run_facts, verdicts, write_results
+from benchmarks.results_io import (arguments, begin, facts_line, markdown_table, run_facts,
+                                   verdicts, write_results)
 from benchmarks.targets import SPECULATIVE as TARGETS
 from benchmarks.timing import time_in_turns
 from helpers import generate_with_cache, load_model
@@ -42,7 +31,6 @@ from helpers.corpus import RHYMES, corpus
 from helpers.speculative import (DRAFT_MODEL_DIR, DraftModelProposer, PromptLookupProposer,
                                  speculative_generate, transformers_speculative)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOOKUP_K, DRAFT_KS, HF_DRAFT_K = 8, (1, 2, 4), 2
 COPY_TOKENS, STORY_TOKENS = 60, 48
 
@@ -201,10 +189,8 @@ def markdown(result):
                    f"{r['predicted_over_plain']:.2f}x", f"{r['measured_over_plain']:.2f}x",
                    f"{r['pays_below_step_ratio']:.2f}"] for r in s["cost_model"]["rows"]]
     lines = ["# Speculative decoding benchmark (lesson 09)", "",
-             f"Model: bundled, draft: `helpers/assets/draft`; {result['machine']}; torch "
-             f"{result['torch']}, transformers {result['transformers']}, {result['threads']} "
-             f"thread(s), batch 1, greedy, {result['reps']} repetitions (median); load average "
-             f"before the run {numbers(result['load_average'])}.", "",
+             f"Model: bundled, draft: `helpers/assets/draft`; {facts_line(result)}; batch 1, "
+             f"greedy, {result['reps']} repetitions (median).", "",
              *markdown_table(["figure", "baseline tokens/s", "ours tokens/s", "ratio", "target",
                               "same text"], rows, "lrrrrl"), "",
              "Cost model for the draft on the stories (lesson 09 section 5; times per plain "
@@ -226,14 +212,9 @@ def targets_met(result) -> dict[str, bool]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 story prompts, 2 repetitions")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__, "4 story prompts, 2 repetitions").parse_args(argv)
     reps, n = (2, 4) if args.quick else (5, 8)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    out = begin(args)
     model, tokenizer = load_model(device="cpu")
     draft, _ = load_model(DRAFT_MODEL_DIR, device="cpu")
     result = {"reps": reps, **run_facts()}
@@ -242,8 +223,7 @@ def main(argv=None):
     print(f"copy task: plain vs prompt lookup, ours and transformers' (x{reps}) ...", flush=True)
     result["copy"] = copy_task(model, tokenizer, recite_prompts(), reps)
     result["targets_met"] = targets_met(result)
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, pathlib.Path(args.out) / "speculative.png")
+    plot(result, out / "speculative.png")
     write_results(args.out, "bench_speculative", result, markdown(result))
     return 0 if all(result["targets_met"].values()) else 1
 

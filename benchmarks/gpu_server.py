@@ -5,25 +5,17 @@ figures a GPU run records. Part of ``make test-gpu`` (``scripts/run_lessons_gpu.
     python -m benchmarks.gpu_server --out results/gpu --budget 300
     python -m benchmarks.gpu_server --allow-cpu --quick     # check this script on a CPU
 
-1. **Same tokens.** Two engines in this process, both compiled, one replaying CUDA graphs and
-   one not: greedy answers of 64 new tokens for 1, 3 (padded to 4), 16 and 64 requests sent at
-   once, and 16 sent one every few milliseconds; the graphed engine's tokens against the other
-   one's, and the one-request answers against lesson 01's loop on the same device.
-2. **No capture or compile after start-up.** About 1,000 mixed steps on the graphed engine:
-   base requests, requests with each shipped adapter, long prompts, alone and together. The
-   capture and compile counts must not move, no request may fail (a NaN would fail it), and
-   the GPU memory in use must end where it began.
-3. **The model step** at 1, 8 and 64 rows, with lesson 10's pieces (its static-cache decode
-   step of the same model): the eager step, the compiled step, and the replay of a graph (the
-   copy of the inputs included), each size's fastest step.
-4. **The server**, as clients see it: two servers started as users start them (graphs off,
-   then on; the same compiled step), streaming clients at 1, 16 and 64 (64 new tokens each):
-   tokens/s, TTFT p50, the gap between tokens p50/p95.
+1. Same tokens: two compiled engines in this process, graphs on and off, at 1, 3, 16 and 64
+   requests at once and 16 staggered, and one request against lesson 01's loop.
+2. No capture or compile after start-up: about 1,000 mixed steps (adapters, long prompts);
+   the counts stay, no request fails, the GPU memory in use ends where it began.
+3. The model step at 1, 8 and 64 rows with lesson 10's pieces: eager, compiled, graph replay.
+4. Two servers (graphs off, then on) under 1, 16 and 64 streaming clients.
 
 Targets (an H100 or H200): gap at 1 client p50 <= 0.7 ms; model step at 1 row <= 0.3 ms; 64
-clients >= 1.5x the tokens/s without graphs. ``run`` returns {"lines": [...], "checks": {...},
-"figures": {...}} and writes gpu_server.json in ``out_dir``; a part that does not fit in
-``budget_seconds`` is skipped and says so.
+clients >= 1.5x the tokens/s without graphs. ``run`` returns {"lines", "checks", "figures"}
+and writes gpu_server.json in ``out_dir``; a part that does not fit in ``budget_seconds`` is
+skipped and says so.
 """
 
 from __future__ import annotations
@@ -38,12 +30,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import PROMPTS
-from benchmarks.engines import make_engine, stand_in_capture
 from benchmarks.serving import at_once, figures, jobs
 from helpers import load_model
 from helpers.batching import generate_sequential
-from helpers.server import serve_in_background
-from helpers.server.contract import ErrorEvent, GenerationParams, Submission, TokenEvent
+from helpers.compilation import rerun_each_replay
+from helpers.server import Engine, GenerationParams, serve_in_background
+from helpers.server.contract import ErrorEvent, Submission, TokenEvent
 
 ADAPTERS = ["entities", "rhymes", "sad", "title"]
 NEW_TOKENS = 64
@@ -53,9 +45,11 @@ TARGETS = {"gap_ms_1_client": 0.7, "step_ms_1_row": 0.3, "graphs_speedup_64": 1.
 # --- in-process engines -----------------------------------------------------------------------
 
 def start_engine(graphs: bool, device: str, capture=None):
+    """The server's engine in this process (to hand it requests and read its counters without
+    HTTP in between), compiled, with CUDA graphs on or off, started."""
     model, tokenizer = load_model(device=device)
-    return make_engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
-                       cuda_graphs="on" if graphs else "off", capture=capture)
+    return Engine(model, tokenizer, max_batch_size=64, max_queue=256, compile="on",
+                  cuda_graphs="on" if graphs else "off", capture=capture).start()
 
 
 def submit_all(engine, requests, spacing: float = 0.0) -> list[list[int]]:
@@ -221,9 +215,8 @@ def run(out_dir: Path, budget_seconds: float = 300.0, quick: bool = False,
     if not cuda and not allow_cpu:
         raise RuntimeError("the GPU server check needs a CUDA device")
     device = "cuda" if cuda else "cpu"
-    capture = None
-    if not cuda:                      # a CPU: the stand-in capture, to check this script
-        capture = stand_in_capture()
+    # On a CPU, the stand-in capture (each replay runs the step again), to check this script.
+    capture = None if cuda else rerun_each_replay
     lines, checks, figures = [f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}"], {}, {}
 
     def left() -> float:

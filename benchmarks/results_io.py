@@ -1,9 +1,47 @@
 """Where every benchmark leaves its figures: ``<name>.json`` (all numbers) and ``<name>.md``
 (the table the README links), side by side in one folder; and the pieces every report is
-written with (one table writer, the checks line, the machine). Figures: ``plots``."""
+written with (one table writer, the checks line, the machine), and the options every benchmark
+takes (``arguments``, ``begin``). Figures: ``plots``."""
 
+import argparse
 import json
 import pathlib
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def positive_int(text: str) -> int:
+    """An option's whole number, at least 1 (argparse names the option when it is not)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def arguments(doc: str, quick: str, threads: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--quick`` (``quick`` says what it cuts), ``--out``
+    and, unless ``threads`` is False, ``--threads``; the benchmark adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {quick}")
+    if threads:
+        parser.add_argument("--threads", type=positive_int, default=1,
+                            help="torch threads (default 1, as in the lessons)")
+    parser.add_argument("--out", default=str(RESULTS), help="output folder (benchmarks/results)")
+    return parser
+
+
+def begin(args) -> pathlib.Path:
+    """Start a run: its torch threads, seed 0, the output folder made; returns the folder."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_results(folder, name: str, result: dict, markdown: str) -> None:
@@ -40,6 +78,13 @@ def run_facts() -> dict:
     return {"threads": torch.get_num_threads(), "load_average": load_average(),
             "machine": machine(), "torch": torch.__version__,
             "transformers": transformers.__version__}
+
+
+def facts_line(facts: dict) -> str:
+    """``run_facts`` as a report says them: machine, threads, versions, load average."""
+    return (f"{facts['machine']}; {facts['threads']} torch thread(s), torch {facts['torch']}, "
+            f"transformers {facts['transformers']}; load average before the run "
+            f"{numbers(facts['load_average'])}")
 
 
 def markdown_table(header: list[str], rows, align: str = "") -> list[str]:

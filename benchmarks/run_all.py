@@ -4,17 +4,11 @@
     python -m benchmarks.run_all --quick    # each benchmark's smoke run, into a scratch folder
     python -m benchmarks.run_all --summary  # only rewrite the summary from the JSON files there
 
-(from the repository's root folder: ``benchmarks`` is a package there, and each benchmark
-imports its shared modules, ``benchmarks.timing`` and ``benchmarks.results_io``, from it).
-
-Each benchmark is its own module (see the table below) and runs in its own process, one after
-another, so that none of them shares the CPU with another. Each writes ``<name>.json``,
-``<name>.md`` and its plots into the output folder; this script then writes ``README.md``
-there: the machine, how long each benchmark took, and every ratio beside the target an
-earlier lesson set for it (a row without a target is a figure to look at, not a test).
-
-A benchmark that misses a target or a check exits with status 1; this script carries on
-with the others and exits with status 1 at the end, naming them.
+Each benchmark runs as a module in its own process, one after another, and writes its JSON,
+markdown and plots into the output folder; the summary (``README.md`` there) gives the
+machine, each benchmark's time, and every figure beside the target a lesson set for it. A
+benchmark that misses a target or a check exits with status 1; this script carries on and
+exits with status 1 at the end, naming them.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from benchmarks.targets import BATCHING, LORA, PAGED, QUANTIZATION, SERVER, SPEC
 
 HERE = pathlib.Path(__file__).resolve().parent
 #: Reports written apart from this run (``make bench-vllm``), linked from the summary.
-APART = ("bench_vllm", "profile_servers")
+APART = ("bench_vllm",)
 RESULTS = HERE / "results"
 
 #: script, the JSON/markdown name it writes, and what it covers. (Each runs as the module
@@ -162,16 +156,6 @@ def lora_rows(lora, add) -> None:
             real["peft_over_ours_total_s"] >= LORA["peft_over_ours"])
         add("  ceiling of that ratio: peft / base model with no adapters",
             _x(real["peft_over_base_total_s"]))
-    grid = lora.get("real_grid", {})
-    for cell in grid.get("cells", []):
-        if cell["batch"] == 32 and cell["distinct"] in (4, 32):
-            add(f"ours vs peft, one decode step, batch 32, {cell['distinct']} distinct of "
-                f"{grid['adapters']} loaded random adapters (time ratio)",
-                _x(cell["peft_over_ours"]))
-    for cell in grid.get("few_loaded", []):
-        if cell["batch"] == 32:
-            add(f"the same with only those {cell['peft_adapters_loaded']} adapters loaded in "
-                "peft", _x(cell["peft_over_ours"]))
 
 
 def server_rows(server, add) -> None:
@@ -254,10 +238,7 @@ def write_summary(out: pathlib.Path, runs: list[dict] | None) -> str:
         lines += markdown_table(["benchmark", "covers", "wall time", "exit"], rows, "llrl") + [""]
     what = {"bench_vllm": "from `make bench-vllm` (the course server beside real vLLM, "
                           "defaults against defaults, 1, 16 and 64 streaming clients; plot: "
-                          "[vllm.png](vllm.png))",
-            "profile_servers": "from `python -m benchmarks.vllm.profile` or `python -m "
-                               "benchmarks.vllm.compare --profile` (where each server's time "
-                               "goes, py-spy)"}
+                          "[vllm.png](vllm.png))"}
     apart = [f"[{name}.md]({name}.md) {what[name]}" for name in APART
              if (out / f"{name}.md").exists()]
     if apart:

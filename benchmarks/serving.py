@@ -1,16 +1,11 @@
-"""The HTTP side every server benchmark shares: the clients, what a server's /metrics says, and a
-server of another project run in a process of its own.
+"""The HTTP side every server benchmark shares.
 
-Clients: ``at_once`` sends every job ``(prompt, new_tokens)`` at once, each on its own
-connection, as separate clients would; a job streams from TGI's ``POST /generate_stream``
-(``stream``: the time of each event) or, given ``extra``, from OpenAI's ``POST
-/v1/completions`` (``openai_stream``: the tokens counted from the stream's ``usage``, as another
-server may put several tokens in one event). ``figures`` turns one such run into tokens/s and
-TTFT and inter-token percentiles.
-
-``ServerProcess`` is what a server of another project needs to be compared with ours: start it
-in a process of its own, wait for /health, warm it up, stop it and what it started, keep its
-log. ``transformers serve`` (``transformers_serve.py``) and vLLM (``vllm/serve.py``) are two.
+``at_once`` sends every job ``(prompt, new_tokens)`` at once, each on its own connection, on
+TGI's ``/generate_stream`` (``stream``) or, given ``extra``, OpenAI's ``/v1/completions``
+(``openai_stream``: tokens counted from the stream's usage); ``figures`` turns a run into
+tokens/s and TTFT and inter-token percentiles. ``side_by_side`` runs ours and another server
+in turns; ``ServerProcess`` starts another project's server (``transformers_serve.py``,
+``vllm/serve.py``) in a process of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import os
 import pathlib
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -31,7 +27,7 @@ import urllib.request
 import httpx
 
 from benchmarks import PROMPTS
-from benchmarks.timing import Candidate, time_in_turns, wait_until_idle
+from benchmarks.timing import Candidate, spread, time_in_turns, wait_until_idle
 
 #: What our /v1/completions needs besides the prompt and length: every request run to its
 #: ``max_tokens`` and the token count at the end of the stream.
@@ -80,6 +76,21 @@ def our_steps(url: str) -> float:
 
 # --- the clients -----------------------------------------------------------------------------
 
+async def events(client: httpx.AsyncClient, url: str, route: str, body: dict):
+    """The server-sent events of one streaming request, each with the time it arrived; an
+    error status or an error event raises RuntimeError."""
+    async with client.stream("POST", url + route, json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
+        async for line in reply.aiter_lines():
+            data = line[5:].strip() if line.startswith("data:") else ""
+            if data and data != "[DONE]":
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(str(event["error"]))
+                yield time.perf_counter(), event
+
+
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int) -> dict:
     """One request to TGI's ``/generate_stream`` (EOS ignored): its TTFT, the gaps between its
     events, its end time, tokens and text."""
@@ -87,24 +98,15 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: i
                                              "ignore_eos_token": True}}
     start = time.perf_counter()
     arrivals, text = [], None
-    async with client.stream("POST", url + "/generate_stream", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            arrivals.append(now)
-            if event.get("generated_text") is not None:
-                text = event["generated_text"]
-    end = time.perf_counter()
+    async for now, event in events(client, url, "/generate_stream", body):
+        arrivals.append(now)
+        if event.get("generated_text") is not None:
+            text = event["generated_text"]
     if not arrivals:
         raise RuntimeError("the stream ended without a token")
-    return {"start": start, "ttft": arrivals[0] - start, "end": end, "tokens": len(arrivals),
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "text": text}
+    return {"start": start, "ttft": arrivals[0] - start, "end": time.perf_counter(),
+            "tokens": len(arrivals), "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "text": text}
 
 
 async def openai_stream(client: httpx.AsyncClient, url: str, prompt: str, new_tokens: int,
@@ -115,23 +117,14 @@ async def openai_stream(client: httpx.AsyncClient, url: str, prompt: str, new_to
             **extra}
     start = time.perf_counter()
     first, tokens, pieces = None, None, []
-    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread()).decode()}")
-        async for line in reply.aiter_lines():
-            data = line[5:].strip() if line.startswith("data:") else None
-            if not data or data == "[DONE]":
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(str(event["error"]))
+    async with contextlib.aclosing(events(client, url, "/v1/completions", body)) as arriving:
+        async for now, event in arriving:
             for choice in event.get("choices") or []:
-                if choice.get("text") and first is None:
-                    first = time.perf_counter()
+                first = first or (now if choice.get("text") else None)
                 pieces.append(choice.get("text") or "")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-                break          # the last event (another server may keep the stream open)
+                break      # the last event (another server may keep the stream open)
     end = time.perf_counter()
     if tokens is None:
         raise RuntimeError("the stream ended without usage")
@@ -229,6 +222,23 @@ def side_by_side(servers: dict[str, Server], levels, new_tokens: int, turns: int
                   repeats=turns, warmup=1, alternate=True, progress="side by side:")
     return {n: {name: done[1:] for name, done in by_name.items()}    # [0]: the untimed round
             for n, by_name in runs.items()}
+
+
+def level_row(clients: int, run: dict, other: str) -> dict:
+    """One level of ``side_by_side``: each server's figures over the turns (``timing.spread``),
+    ours / ``other``'s tokens/s (the median of the turns' ratios) and the text check."""
+    row = {"clients": clients, "tokens": run["ours"][0]["tokens"]}
+    for name in ("ours", other):
+        keys = ["tokens_per_second", "ttft_p50", "ttft_p95", "seconds"]
+        row[name] = {key: spread(r[key] for r in run[name])
+                     for key in keys + (["steps"] if run[name][0]["steps"] is not None else [])}
+        row[name]["short_streams"] = sum(r["short"] for r in run[name])
+    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
+              for a, b in zip(run["ours"], run[other])]
+    differences = different_texts(run["ours"], run[other], other)
+    return {**row, f"ours_over_{other}": statistics.median(ratios),
+            f"ours_over_{other}_per_turn": [round(r, 3) for r in ratios],
+            "same_texts": not differences, "first_difference": differences[:1]}
 
 
 def different_texts(ours: list[dict], theirs: list[dict], name: str) -> list[dict]:

