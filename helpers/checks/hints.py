@@ -213,7 +213,8 @@ HINTS: dict[str, Hints] = {
         "needed; hit_blocks += …; return the tokens the hits hold. grow: while the table is "
         "too small: one reservation less, the front block evicted and taken. free_request: "
         "for each block of the popped table, one reference less, and at 0 back on the free "
-        "list at its end; then forget the reservation.")),
+        "list: at its end if its name still finds it, else at its front; then forget the "
+        "reservation.")),
     # ---- 09 ---------------------------------------------------------------------------------
     "verify": Hints("09", "check_verify", (
         "One pass reads the unread tokens and every guess; the logits at a position say what "

@@ -316,11 +316,9 @@ def _compare(op, method, args, got, want, before, ref):
             raise Hint(f"after {op}, block {missing[0]} has no reference left but is not on "
                        f"the free list: put it there when its count reaches 0")
         if sorted(got["free"]) == sorted(want["free"]):
-            raise Hint(f"after {op}, the free list is {got['free']}, expected {want['free']} (the "
-                       f"same blocks in another order): a freed block that has a name goes to "
-                       f"the back (handed out last, so it stays findable as long as possible), "
-                       f"one without a name to the front (nothing in it is worth keeping); and "
-                       f"free_request walks the request's block table in order, first block first")
+            raise Hint(f"after {op}, the free list is {got['free']}, expected {want['free']} "
+                       f"(same blocks, other order): a freed block its name still finds goes "
+                       f"to the back, any other to the front; free the table first block first")
         expect_equal(f"after {op}, the free list", got["free"], want["free"])
     if got["cached"] != want["cached"] or got["hashes"] != want["hashes"]:
         stale = [name for name, b in got["cached"].items()
