@@ -284,7 +284,7 @@ BLOCK_MISTAKES = {
     GrowingFromTheBack: "take the block at the front of the free list",
     FreeingSharedBlocks: "still uses it",
     ZeroingRefCounts: "do not set the count to 0",
-    FreeingAllToTheBack: "one without a name to the front",
+    FreeingAllToTheBack: "any other to the front",
     KeepingTheReservation: "del self.reserved[rid]",
 }
 
