@@ -292,21 +292,22 @@ def test_the_profiler_sorts_our_stacks_as_it_sorts_vllms():
     loop = ["_run (helpers/server/engine.py)", "_loop (helpers/server/engine.py)",
             "step (helpers/server/engine.py)", "_generate (helpers/server/engine.py)",
             "forward (helpers/server/kv.py)", "paged_next_token (helpers/paged/batching.py)"]
-    decode = loop + ["__call__ (helpers/server/runner.py)"]
-    compiled = decode + ["_call (helpers/server/runner.py)",
+    decode = loop + ["__call__ (helpers/server/kv.py)"]
+    compiled = decode + ["_call (helpers/server/kv.py)",
                          "compile_wrapper (torch/_dynamo/eval_frame.py)",
                          "call (c2ahwwxpymqghmywi66s7isxx35stcz5wuedtp7p2qn4v34q2spw.py)"]
     prefill = loop + ["_forward (helpers/paged/batching.py)",
                       "_wrapped_call_impl (torch/nn/modules/module.py)",
                       "paged_attention (helpers/paged/attention.py)"]
     detok = decode[:-1] + ["_hand_out (helpers/server/engine.py)",
-                           "accept (helpers/server/engine.py)", "add (helpers/server/tokens.py)",
+                           "accept (helpers/server/sampling.py)",
+                           "add (helpers/server/tokens.py)",
                            "decode (transformers/tokenization_utils_base.py)"]
     pipe = detok[:-2] + ["deliver (helpers/server/engine_process.py)",
                          "send (multiprocessing/connection.py)"]
     engine = {ps.OUR_DECODE: compiled, ps.OUR_PREFILL: prefill, ps.OUR_DETOK: detok,
               ps.IPC: pipe,
-              ps.OUR_INPUTS: decode + ["<listcomp> (helpers/server/runner.py)",
+              ps.OUR_INPUTS: decode + ["<listcomp> (helpers/server/kv.py)",
                                        "sequence (helpers/paged/batching.py)"],
               ps.OUR_SCHEDULER: decode + ["grow (helpers/paged/blocks.py)"],
               ps.OUR_SAMPLER: decode + ["choose (helpers/server/engine.py)",

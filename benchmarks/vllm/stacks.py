@@ -97,7 +97,7 @@ MODEL_CALLS = {"_wrapped_call_impl (torch/nn/modules/module.py)",
                "_call_impl (torch/nn/modules/module.py)",
                "compile_wrapper (torch/_dynamo/eval_frame.py)",
                "_fn (torch/_dynamo/eval_frame.py)",
-               "_run_model (helpers/server/runner.py)"}
+               "_run_model (helpers/server/kv.py)"}
 #: The Python file inductor writes for a compiled graph: "call (c2ahwwx...spw.py)".
 INDUCTOR_CODE = re.compile(r"c[a-z0-9]{40,}\.py")
 #: torch's modules that run a compiled graph.
@@ -105,6 +105,7 @@ COMPILED_CODE = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/")
 #: Frames whose function says nothing by itself (comprehensions, lambdas): look further out.
 ANONYMOUS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<lambda>", "<module>")
 ENGINE = "helpers/server/engine.py"
+SAMPLING = "helpers/server/sampling.py"
 #: What a stack of our engine process was doing, outside the model (``our_category``): the
 #: first rule that matches a frame, from the innermost frame out; (function or None for any,
 #: the start of its file, the category; None: look further out). Frames of other libraries
@@ -119,22 +120,23 @@ ENGINE_RULES = [
     ("_submit", "helpers/server/engine_process.py", OUR_INTAKE),
     (None, "helpers/server/engine_process.py", OUR_LOOP),
     (None, "helpers/server/contract.py", None),
-    (None, "helpers/server/sampling.py", OUR_SAMPLER),
+    *[(name, SAMPLING, None) for name in ("cancelled", "adjusts_logits")],   # Sequence's
+    *[(name, SAMPLING, OUR_OUTPUTS) for name in ("accept", "_add_text", "_finish", "fail")],
+    (None, SAMPLING, OUR_SAMPLER),
     *[(name, "helpers/server/tokens.py", OUR_DETOK)         # IncrementalDecoder
       for name in ("add", "flush", "_decode", "pending")],
-    *[(name, ENGINE, None) for name in ("cancelled", "adjusts_logits")],
     ("choose", ENGINE, OUR_SAMPLER),
-    *[(name, ENGINE, OUR_OUTPUTS) for name in ("_hand_out", "accept", "_add_text", "_finish",
-                                               "fail", "deliver_to_sinks")],
+    *[(name, ENGINE, OUR_OUTPUTS) for name in ("_hand_out", "deliver_to_sinks")],
     ("deliver", "helpers/server/contract.py", OUR_OUTPUTS),
     *[(name, ENGINE, OUR_LOOP) for name in ("_loop", "_run")],
     *[(name, ENGINE, OUR_INTAKE) for name in ("submit", "__init__")],
     (None, ENGINE, OUR_SCHEDULER),
+    ("_call", "helpers/server/kv.py", OUR_DECODE),
+    *[(name, "helpers/server/kv.py", OUR_INPUTS)            # PackedStep's: its tensors
+      for name in ("__call__", "_run")],
     (None, "helpers/server/kv.py", OUR_SCHEDULER),
-    (None, "helpers/server/scheduling.py", OUR_SCHEDULER),
-    ("_call", "helpers/server/runner.py", OUR_DECODE),
-    ("pick", "helpers/server/runner.py", OUR_SCHEDULER),
-    (None, "helpers/server/runner.py", OUR_INPUTS),         # PackedStep.__call__: its tensors
+    *[(name, "helpers/server/admission.py", OUR_SCHEDULER)
+      for name in ("take_waiting", "first_come", "shortest_prompt")],
     (None, "helpers/server/graphs.py", OUR_INPUTS),         # staging a graph's inputs
     *[(name, "helpers/paged/attention.py", OUR_INPUTS)
       for name in ("build", "pool_indices", "model_uses_paged_attention")],
@@ -189,7 +191,7 @@ def our_category(frames: list[str], part: str) -> str:
                 return OUR_PREFILL
             # Compiled code runs in the packed step alone (a stack that py-spy caught in part
             # may lack the frames further out).
-            if compiled or "_call (helpers/server/runner.py)" in frames:
+            if compiled or "_call (helpers/server/kv.py)" in frames:
                 return OUR_DECODE
             return OUR_EAGER
     rules = ENGINE_RULES if part == "engine" else HTTP_RULES

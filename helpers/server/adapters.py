@@ -23,7 +23,7 @@ import re
 import threading
 from pathlib import Path
 
-from ..lora import NO_ADAPTER, MultiLora
+from ..lora import MultiLora
 from .errors import GenerationFailed, InvalidRequest, NotFound, Unavailable
 
 log = logging.getLogger("helpers.server")
@@ -136,10 +136,8 @@ class AdapterStore:
         return local_adapters(self.folder) if self.folder is not None else []
 
     def resolve(self, adapter_id: str | None, source: str | None = None,
-                api_token: str | None = None) -> str | None:
-        """The MultiLora name of the request's adapter (None: the base model)."""
-        if adapter_id is None or adapter_id in ("", NO_ADAPTER):
-            return None
+                api_token: str | None = None) -> str:
+        """The MultiLora name of the request's adapter (``adapter_id`` names one)."""
         if source is None:              # a local name never holds a "/"
             source = "hub" if "/" in adapter_id else "local"
         if source == "local":

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from . import errors, metrics, startup
 from .contract import ErrorEvent, Handle, Sink, Submission, deliver
+from .options import ENGINE_OPTIONS, check, device, torch_threads
 
 log = logging.getLogger("helpers.server")
 
@@ -141,95 +142,32 @@ LIMITS = ("model_id", "kv_cache", "max_batch_size", "max_queue", "max_input_toke
           "special_ids")
 
 
-def torch_threads(requested: int | None, device) -> int | None:
-    """The torch threads to use: ``requested`` if given; on the CPU every core but one (at
-    least one), because the HTTP side runs on this machine too (its event loop writes every
-    token to its client) and the clients are often on the same machine: a model step that
-    takes every core makes each of them wait. One on a GPU: there the CPU only builds each
-    step's small index tensors and launches kernels, and waking a pool of threads for tensors
-    of a few thousand numbers costs more than it saves (measured on an H200 with 16 cores:
-    the inputs of a 64-row step took 8 ms on torch's default 16 threads, 0.3 ms on one)."""
-    cores = os.cpu_count() or 1
-    if requested is not None:
-        if not 1 <= requested <= cores:
-            raise ValueError(f"--threads {requested}: must be between 1 and this machine's "
-                             f"{cores} cores")
-        return requested
-    if str(device).startswith("cpu"):
-        return max(1, cores - 1)
-    return 1
-
-
-def _device(name):
-    """The device ``--device`` names (None: CUDA when there is one), checked before anything
-    loads: ValueError for a name torch does not know, a device this machine lacks (CUDA, a
-    second GPU, MPS off a Mac) or one that holds no data (meta)."""
-    import torch
-
-    from ..models import default_device
-
-    if name is None:
-        return default_device()
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:1, "
-                         f"mps, ...)") from None
-    if device.type == "meta":
-        raise ValueError(f"--device {name}: a meta tensor has a shape and no values, so a "
-                         f"model there cannot generate; use cpu or cuda")
-    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
-    count = getattr(backend, "device_count", lambda: 1)
-    if device.type != "cpu" and not (getattr(backend, "is_available", lambda: False)()
-                                     and (device.index or 0) < count()):
-        raise ValueError(f"--device {name}: this machine's torch ({torch.__version__}) has no "
-                         f"such device; leave --device out to use "
-                         f"{default_device().type}")
-    return device
-
-
 def build_engine(settings: dict):
     """Load the model and make the engine the settings ask for (not started). ``settings``:
-    model, device, dtype, threads, kv_cache, compile, adapters_dir (None: the course's adapters),
-    model_id and the Engine's options
-    (``options.ENGINE_OPTIONS``). ValueError for settings that make no sense."""
+    the server's options (``options.OPTIONS``; a missing one takes its default), with
+    ``adapters_dir`` (None: the course's adapters) and ``model_id``. Every setting is judged
+    (``options.check``) before the model loads: ``ValueError`` for one that makes no sense."""
     import torch
 
     from ..models import load_model
     from .engine import Engine
-    from .graphs import check_sizes, parse_sizes
-    from .options import ENGINE_OPTIONS
 
-    paged = settings["kv_cache"] == "paged"
-    compile = settings.get("compile", "auto")
-    cuda_graphs = settings.get("cuda_graphs", "auto")
-    if compile == "on" and not paged:
-        raise ValueError("--compile on needs --kv-cache paged: the compiled step runs on "
-                         "lesson 08's pool of KV blocks, whose shape never changes")
-    if cuda_graphs == "on" and not paged:
-        raise ValueError("--cuda-graphs on needs --kv-cache paged: a graph replays on "
-                         "lesson 08's pool of KV blocks, whose address never changes")
-    sizes = parse_sizes(settings.get("cuda_graph_sizes", "1,2,4,8,16,32,64"))
-    check_sizes(sizes, settings["max_batch_size"])       # a typo shows on a CPU too
-    device = _device(settings["device"])                 # refused before the model loads
-    if cuda_graphs == "on" and device.type != "cuda":
-        raise ValueError(f"--cuda-graphs on needs a CUDA device; the model would be on "
-                         f"{device}: use --cuda-graphs auto (on with CUDA, off elsewhere)")
-    threads = torch_threads(settings["threads"], device)
+    settings = dict(settings)
+    adapters_dir, model_id = settings.pop("adapters_dir", None), settings.pop("model_id", None)
+    where = device(settings.get("device"))
+    judged = check(settings, device=where)
     startup.report("loading the model")
     began = time.monotonic()
-    model, tokenizer = load_model(settings["model"], device=device, dtype=settings["dtype"])
+    model, tokenizer = load_model(judged["model"], device=where, dtype=judged["dtype"])
     startup.report("model loaded in %.1f s", time.monotonic() - began)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    adapters_dir = settings["adapters_dir"]
+    torch.set_num_threads(torch_threads(judged["threads"], where))
     if adapters_dir is None:                      # the course's shipped adapters
         from ..lora import ADAPTERS_DIR as adapters_dir
-    options = {name: settings[name] for name in ENGINE_OPTIONS}
-    if paged:                                     # the paged layout's runner (lesson 10)
-        options.update(compile=compile, cuda_graphs=cuda_graphs, graph_sizes=sizes)
-    return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=settings["model_id"],
-                  **options)
+    options = {name: judged[name] for name in ENGINE_OPTIONS}
+    if judged["kv_cache"] == "paged":             # the paged layout's runner (lesson 10)
+        options.update(compile=judged["compile"], cuda_graphs=judged["cuda_graphs"],
+                       graph_sizes=judged["cuda_graph_sizes"])
+    return Engine(model, tokenizer, adapters_dir=adapters_dir, model_id=model_id, **options)
 
 
 # --- the engine process -----------------------------------------------------------------------
