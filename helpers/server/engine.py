@@ -311,7 +311,7 @@ class Engine:
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
             chosen.extend(zip(rows, picked))
-            return self.choose(picked, logits, outgoing)
+            return self.choose(picked, logits)
 
         lora = self.adapters.lora
         adapters = None

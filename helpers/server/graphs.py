@@ -1,38 +1,23 @@
 """CUDA graphs for the paged layout's decode passes: each replayed with a launch or two.
 (Lessons 08 and 10.)
 
-On a GPU a small model's decode step is bound by kernel launches, not by the GPU: every
-operation is a launch from the CPU (Python, the dispatcher, the driver), and a four-layer
-model's step is about a hundred of them, each taking the CPU longer than the GPU takes to run
-it. A CUDA graph records the launches of one step once and then replays them all with a
-single launch. What it records is fixed, and this module is the bookkeeping that follows:
+On a GPU a small model's decode step is bound by kernel launches: each takes the CPU longer
+than the GPU takes to run it. A CUDA graph records one step's launches once and replays them
+with one launch; what it records is fixed, and this module is the bookkeeping that follows:
 
-* **shapes**: a graph serves one batch size. So the decode step is captured once per
-  *capture size* (1, 2, 4, 8, 16, 32, 64 by default), and a decode batch of n rows replays the
-  graph of the smallest size that holds it (lesson 10's ``capture_size``), the rows past n
-  being padding. The longest history L is fixed too: every row reads L pool entries, those
-  past its end masked (``max_total_tokens``, the longest a request may get).
-* **addresses**: the kernels read and write the same memory at every replay. So the step's
-  inputs live in one buffer on the GPU that every graph reads (``inputs``), filled each step
-  by one copy from a twin in pinned host memory (``staging``), and the output is the graph's
-  own tensor, overwritten by the next replay. The KV pool is allocated once (lesson 08), so
-  its address never changes either. Padding rows write their keys and values to the scratch
-  block, which no request owns, and read only from there: nothing reads them back.
-* **nothing else**: a graph replays kernels only, so the captured step may not copy to or
-  from the CPU, wait for the GPU, or depend on values it reads (every such step would be
-  frozen at capture). Steps that read prompts (their lengths vary), rows with a LoRA adapter
-  (lesson 06's per-row adapters gather differently for each batch) and batches above the
-  largest size run as before (``PackedStep``), and each is counted by reason.
+* **shapes**: one graph per *capture size* (1, 2, 4, ... 64); a decode batch of n rows replays
+  the smallest that holds it (lesson 10's ``capture_size``), the rows past n being padding.
+  Every row reads L = ``max_total_tokens`` pool entries, those past its end masked.
+* **addresses**: every graph reads one input buffer on the GPU (``inputs``), filled each step
+  by one copy from a pinned twin (``staging``); the output is the graph's own tensor. The KV
+  pool never moves (lesson 08). Padding rows read and write the scratch block only.
+* **nothing else**: a graph replays kernels only, so steps that read prompts, rows with a LoRA
+  adapter and batches above the largest size run the packed step instead, each counted by
+  reason (``fallbacks``).
 
-Every graph is captured at start-up, after the KV pool exists and the step is compiled,
-largest first, all in one memory pool (a graph's intermediate tensors are its own; one pool
-lets the graphs share that memory, since only one replays at a time). No graph is ever
-captured after start-up: ``run`` replays or the step goes the old way.
-
-The recording itself is lesson 10's ``record`` (``helpers.compilation``), the one capture of
-the course. On a CPU there is no CUDA graph: ``record`` stands in with a step run again at
-each "replay" (``rerun_each_replay``), which the tests use to check everything around the
-graphs (sizes, padding, staging, the scratch block, the counts) on a machine without a GPU.
+Every graph is captured at start-up, largest first, in one memory pool, and none after. The
+recording is lesson 10's ``record``; on a CPU, ``rerun_each_replay`` stands in for it (a step
+run again at each "replay"), so the tests check all of the above without a GPU.
 """
 
 from __future__ import annotations

@@ -196,22 +196,16 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits, outgoing)``: each row's next token by its own rules, the list
-    given back to lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``)
-    as its ``choose``. (Lesson 07.)
-
-    rows:     the sequences, one per row of ``logits``
-    logits:   (rows, positions, vocab); the last position is the one to choose from
-    outgoing: where ``score_prompt`` puts the prompt events (the token events come from
-              ``Sequence.accept``)
-    """
+    """``chooser(rows, logits)``: each row's next token by its own rules (``rows``: the
+    sequences, one per row of the (rows, positions, vocab) ``logits``, whose last position is
+    the one to choose from), as lesson 03's and lesson 08's ``choose``. (Lesson 07.)"""
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
         self.tokenizer = tokenizer
         self.eos_id = eos_id
         self.pad_id = pad_id
 
-    def __call__(self, rows: list, logits: torch.Tensor, outgoing: list) -> list[int]:
+    def __call__(self, rows: list, logits: torch.Tensor) -> list[int]:
         last = logits[:, -1, :].float()
         if any(row.adjusts_logits for row in rows):
             last = last.clone()
@@ -273,9 +267,9 @@ class TokenChooser:
 # --- 5. one sequence ----------------------------------------------------------------------
 
 class Sequence:
-    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``): what
-    the scheduler knows of it, from the queue to its last token. It alone decides when it is
-    finished (``accept``); the engine copies that into the batch."""
+    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``), from
+    the queue to its last token: its rules, its tokens, its text; ``accept`` alone decides
+    when it is finished."""
 
     def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
                  params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
@@ -367,12 +361,9 @@ class Sequence:
 
     def _add_text(self) -> tuple[str, int | None]:
         """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched). Only the last few tokens are decoded (``tokens.IncrementalDecoder``): decoding the whole
-        answer at every token would cost more the longer it gets."""
+        matched), decoding only the last few tokens (``tokens.IncrementalDecoder``)."""
         if self.decoder is None:
             self.decoder = IncrementalDecoder(self.tokenizer)
-        # A token may end inside a multi-byte character: the decoder holds its text back until
-        # the character is complete, or until the request ends.
         piece = self.decoder.add(self.ids[-1])
         if self.count >= self.max_new_tokens:
             piece += self.decoder.flush()
