@@ -2,11 +2,10 @@
 (Lesson 07.)
 
 ``Grammars(tokenizer).compile(kind, value)`` ("json" or "regex") returns a ``Compiled``
-grammar shared by every request that asks for the same one; ``Compiled.matcher()`` follows
-one request: ``apply(logits_row, budget)`` sets the forbidden tokens' logits to -inf,
-``advance(token)`` takes the token chosen; EOS is allowed only where the text is complete. The
-engine is llguidance (vLLM's and SGLang's), which parses as the text is written, so compiling
-costs about as much as reading the schema (benchmarks/results/bench_grammar.md).
+grammar shared by the requests that ask for it; ``Compiled.matcher()`` follows one request:
+``apply(logits_row, budget)`` masks the forbidden tokens, ``advance(token)`` takes the one
+chosen. The engine is llguidance (vLLM's and SGLang's), which parses as the text is written,
+so compiling costs about as much as reading the schema (benchmarks/results/bench_grammar.md).
 
 No request makes a grammar cost more than the server allows: its size and depth are bounded
 (``errors.TooLarge``), so are llguidance's work (``parser_limits()``), the wait for a compile
@@ -118,8 +117,7 @@ def closed_objects(schema):
 
 
 class Matcher:
-    """One request's place in a grammar: masks the next token's logits, follows the tokens
-    chosen. Made by ``Compiled.matcher()``; used by one thread at a time."""
+    """One request's place in a grammar (``Compiled.matcher()``; one thread at a time)."""
 
     def __init__(self, compiled: "Compiled", state):
         self.compiled = compiled

@@ -1,29 +1,20 @@
 """The KV layouts the engine is given, and how the paged one runs its passes. (Lessons 03,
 07, 08 and 10.)
 
-``Engine.step`` (engine.py) is the same for both layouts; a layout answers four questions:
-``admits()`` (may waiting requests join this turn?), ``admit(sequence)`` (is there room for
-this one? it is then reserved), ``passes()`` (the forward passes of this turn, one batch each;
-after each, the rows that finished leave and their room goes back) and ``forward(batch,
-adapters, choose)`` (one pass: the model, then ``choose(logits, rows)`` for the rows that read
-all their tokens, as lessons 03 and 08 let their loops choose).
+``Engine.step`` is the same for both layouts; a layout answers four questions: ``admits()``
+(may waiting requests join this turn?), ``admit(sequence)`` (is there room for this one? it
+is then reserved), ``passes()`` (this turn's forward passes, one batch each; after each, the
+finished rows leave and their room goes back) and ``forward(batch, adapters, choose)`` (one
+pass, then ``choose(logits, rows)`` for the rows that read all their tokens).
 
 ``ContiguousKV`` is lesson 03's padded batch (``--kv-cache contiguous``): new prompts are read
-in a prefill pass of their own, merged into the running batch, and one decode pass follows.
-``PagedKV`` is lesson 08's pool of blocks (the default): new rows join at once, and one pass
-feeds every row what it has pending (a decode row its last token, a new row its prompt or a
-chunk of it), its model pass run by the ``Runner``:
-
-* **eager**: the rows' new tokens packed one row after another into one sequence of T tokens,
-  as vLLM does (``PackedStep``): the linear layers see only real tokens, and the attention
-  regroups the queries by row (``packed_paged_attention``, beside lesson 08's own);
-* **compiled** (lesson 10, ``--compile``): the same pass through ``torch.compile``, its three
-  graphs compiled at start-up;
-* **CUDA graphs** (lesson 10, ``--cuda-graphs``, on a GPU): a decode pass replayed from the
-  graph of its capture size (``graphs.GraphedDecode``);
-
-and a pass in which a row uses a LoRA adapter runs lesson 08's own pass, each row with its
-adapter. Everything is compiled and captured at start-up, nothing after.
+in a prefill pass of their own, then one decode pass runs over every row. ``PagedKV`` is lesson
+08's pool of blocks (the default): one pass feeds every row what it has pending (a decode row
+its last token, a new row its prompt or a chunk of it), its model pass run by the ``Runner``:
+eager with the rows' tokens packed into one sequence as vLLM does (``PackedStep``), compiled
+(lesson 10, ``--compile``; three graphs, compiled at start-up), or replayed from a CUDA graph
+(lesson 10, ``--cuda-graphs``: ``graphs.py``); a pass in which a row uses a LoRA adapter runs
+lesson 08's own. Nothing is compiled or captured after start-up.
 """
 
 from __future__ import annotations
@@ -113,16 +104,6 @@ def _done(batch, request_ids):
     return batch
 
 
-def default_pool_blocks(model, block_size: int, max_batch_size: int,
-                        max_total_tokens: int) -> int:
-    """Blocks for ``max_batch_size`` requests of ``max_total_tokens`` tokens, cut to what
-    ``POOL_BYTES`` holds, but never below one request's worth."""
-    layers, kv_heads, head_dim = kv_shape(model.config)
-    block_bytes = 2 * layers * kv_heads * head_dim * block_size * model.dtype.itemsize
-    per_request = math.ceil(max_total_tokens / block_size)
-    return max(per_request, min(max_batch_size * per_request, POOL_BYTES // block_bytes))
-
-
 class PagedKV:
     """Lesson 08's KV cache: a pool of blocks, a block table per row (``PagedBatch``), prefix
     caching and chunked prefill. A request is admitted when the pool can hold its worst case
@@ -199,7 +180,7 @@ def make_kv(kind: str, model, tokenizer, pad_id: int, *, max_batch_size: int,
             max_total_tokens: int, lora=None, **layout):
     """The layout ``kind`` names ("paged" or "contiguous"). The paged one's options
     (``layout``): block_size (16), prefix_caching (True), max_prefill_tokens (512),
-    num_blocks (``default_pool_blocks``), and its ``Runner``'s: compile, cuda_graphs,
+    num_blocks (as many as ``POOL_BYTES`` holds), and its ``Runner``'s: compile, cuda_graphs,
     graph_sizes and capture, judged already (``options.check``)."""
     if kind == "contiguous":
         if layout:
@@ -209,9 +190,11 @@ def make_kv(kind: str, model, tokenizer, pad_id: int, *, max_batch_size: int,
     block_size = layout.pop("block_size", 16)
     max_prefill_tokens = layout.pop("max_prefill_tokens", 512)
     num_blocks = layout.pop("num_blocks", None)
-    if num_blocks is None:
-        num_blocks = default_pool_blocks(model, block_size, max_batch_size, max_total_tokens)
     one_request = math.ceil(max_total_tokens / block_size)
+    if num_blocks is None:    # room for max_batch_size requests, within POOL_BYTES (or one)
+        layers, kv_heads, head_dim = kv_shape(model.config)
+        block_bytes = 2 * layers * kv_heads * head_dim * block_size * model.dtype.itemsize
+        num_blocks = max(one_request, min(max_batch_size * one_request, POOL_BYTES // block_bytes))
     if num_blocks < one_request:         # such a request would wait for blocks forever
         raise ValueError(
             f"num_blocks={num_blocks} blocks of {block_size} tokens cannot hold one request "
@@ -258,8 +241,6 @@ class PackedStep:
         if compile:
             self._forward = torch.compile(self._run_model, backend=self._counting_backend)
 
-    # --- compiling ---------------------------------------------------------------------------
-
     def _counting_backend(self, graph_module, example_inputs):
         """torch.compile's backend: inductor, with each graph it compiles counted and timed."""
         from torch._inductor.compile_fx import compile_fx
@@ -284,8 +265,6 @@ class PackedStep:
                                time.perf_counter() - began)
         startup.report("compiled the model's step in %.1f s (%d graphs; --compile off skips "
                        "it)", time.perf_counter() - start, self.compiles)
-
-    # --- one pass ---------------------------------------------------------------------------
 
     def __call__(self, batch: PagedBatch, rows: list[int], starts: list[int],
                  counts: list[int], tables: list[list[int]]) -> torch.Tensor:
