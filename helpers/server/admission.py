@@ -143,7 +143,7 @@ class Admission:
                 raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
             ids = self._tokenize(prompt, truncate)
         elif isinstance(prompt, (list, tuple)):
-            ids = self._check_token_ids(prompt, truncate)
+            ids = self._check_token_ids(prompt)
         else:
             raise InvalidRequest("the prompt must be a string or a list of token ids")
         if truncate is not None and len(ids) > truncate:
@@ -181,11 +181,8 @@ class Admission:
         return [{"id": token, "text": text[start:stop], "start": start, "stop": stop}
                 for token, (start, stop) in zip(ids, offsets)]
 
-    def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
+    def _check_token_ids(self, ids) -> list[int]:
         """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
-        if len(ids) > self.max_input_tokens and truncate is None:
-            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
-                                 f"(--max-input-tokens); given: {len(ids)} tokens")
         for i, token in enumerate(ids):
             if isinstance(token, bool) or not isinstance(token, int) \
                     or not 0 <= token < self.vocab_size:

@@ -1,8 +1,9 @@
-"""The server's options, declared once. (Lesson 07.)
+"""The server's options, declared once and judged in one place. (Lesson 07.)
 
 Each option is one row of ``OPTIONS`` (name, type, default, help); from it come the command's
 flags (``max_batch_size`` becomes ``--max-batch-size``), ``serve_in_background``'s keyword
 arguments (turned back into flags by ``command_line``) and ``Engine``'s defaults (``DEFAULTS``).
+``check`` is the only place a setting is judged, whoever gives it.
 """
 
 from __future__ import annotations
