@@ -1,4 +1,4 @@
-"""The packed, compiled step of the paged engine (``helpers.server.runner``, lesson 10): the
+"""The packed, compiled step of the paged engine (``helpers.server.kv``, lesson 10): the
 same tokens as the eager engines, three graphs compiled at start-up and none after, whatever
 the batch sizes, prompt lengths, chunks and cached prefixes, its attention the same as lesson
 08's, and the rows it cannot take (adapters) going lesson 08's way.
@@ -18,7 +18,7 @@ import torch
 from helpers.paged import KVPool, PagedForward, paged_attention
 from helpers.paged.attention import (PackedInputs, in_place_decode_attention,
                                     packed_paged_attention)
-from helpers.server.runner import PackedStep
+from helpers.server.kv import PackedStep
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
 from helpers.server.engine import Engine
@@ -186,7 +186,7 @@ def test_auto_runs_eager_where_compiling_fails(reference, monkeypatch, caplog):
     with pytest.raises(RuntimeError, match=r"compiling the step failed \(RuntimeError: no C\+\+ "
                                            r"compiler found\); --compile auto would serve"):
         Engine(model, tokenizer, max_batch_size=2, compile="on")
-    with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off', got 'yes'"):
+    with pytest.raises(ValueError, match="compile must be one of auto, on, off, got 'yes'"):
         Engine(model, tokenizer, max_batch_size=2, compile="yes")
 
 

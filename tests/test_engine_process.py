@@ -142,7 +142,7 @@ def test_cancel_reaches_the_engine_process(engine):
     assert wait_for(lambda: engine.snapshot()["running"] == 0)
     assert handle.cancelled and not handle.finished
     assert not engine._handles             # nothing is kept for it on either side
-    assert engine._ask("snapshot")["running"] == 0
+    assert engine._call("snapshot")["running"] == 0
 
 
 def test_a_dead_engine_process_fails_its_requests_and_is_restarted():
@@ -181,9 +181,9 @@ def test_a_dead_engine_process_fails_its_requests_and_is_restarted():
 def test_an_engine_process_that_keeps_crashing_is_given_up(monkeypatch):
     """More crashes than MAX_RESTARTS within the window: no restart, ``on_give_up`` is told
     (the server then exits with status 1)."""
-    from helpers.server import engine_process
+    from helpers.server import supervisor
 
-    monkeypatch.setattr(engine_process, "MAX_RESTARTS", 0)
+    monkeypatch.setattr(supervisor, "MAX_RESTARTS", 0)
     told = []
     engine = EngineProcess(settings(), on_give_up=told.append).start()
     try:

@@ -24,7 +24,8 @@ from helpers.server.background import BackgroundServer
 from helpers.server.contract import GenerationParams
 from helpers.server.engine_process import build_engine
 from helpers.compilation import rerun_each_replay
-from helpers.server.graphs import ID, LENGTH, POSITION, READ, WRITE, check_sizes, parse_sizes
+from helpers.server.graphs import ID, LENGTH, POSITION, READ, WRITE
+from helpers.server.options import check
 from helpers.server.metrics import Metrics
 from helpers.server.engine import Engine
 
@@ -57,19 +58,23 @@ def settled(engine) -> dict:
         return engine.snapshot()
 
 
+def sizes(value, max_batch_size=8):
+    return check({"cuda_graph_sizes": value, "max_batch_size": max_batch_size})["cuda_graph_sizes"]
+
+
 def test_sizes_are_checked_sorted_and_capped_by_the_batch():
-    assert check_sizes((8, 1, 4, 2, 64), max_batch_size=8) == (1, 2, 4, 8)
-    assert parse_sizes("1, 2,4") == (1, 2, 4)
+    assert sizes((8, 1, 4, 2, 64)) == (1, 2, 4, 8)
+    assert sizes("1, 2,4") == (1, 2, 4)
     with pytest.raises(ValueError, match="'two' is not one"):
-        parse_sizes("1,two")
-    with pytest.raises(ValueError, match="positive integers, got 0"):
-        check_sizes((0, 1), 8)
+        sizes("1,two")
+    with pytest.raises(ValueError, match="0 is not one"):
+        sizes((0, 1))
     with pytest.raises(ValueError, match="no capture size in \\(16, 32\\) is at most the "
                                          "largest batch, 8 \\(--max-batch-size\\)"):
-        check_sizes((16, 32), 8)
+        sizes((16, 32))
     for text in ("0", "-1", "", "1,,2", "+2", "1.5", "\u0663"):       # the last: an Arabic 3
         with pytest.raises(ValueError, match="--cuda-graph-sizes takes positive whole numbers"):
-            parse_sizes(text)
+            sizes(text)
 
 
 def _server_settings(**changes) -> dict:
@@ -84,7 +89,7 @@ def _server_settings(**changes) -> dict:
     ({"cuda_graph_sizes": "100000"}, "at most the largest batch, 8"),
     ({"cuda_graph_sizes": "0"}, "'0' is not one"),
     ({"cuda_graph_sizes": ""}, "'' is not one"),
-    ({"cuda_graphs": "on"}, "--cuda-graphs on needs a CUDA device; the model would be on cpu"),
+    ({"cuda_graphs": "on"}, "--cuda-graphs on needs a CUDA device; the model is on cpu"),
     ({"device": "foo"}, "--device 'foo' is not a device torch knows"),
     ({"threads": 0}, "--threads 0: must be between 1 and"),
 ] + ([({"device": "cuda"}, "--device cuda: .* has no such device")] if not torch.cuda.is_available() else []))
@@ -115,10 +120,10 @@ def test_auto_is_off_without_cuda_and_on_needs_it(reference):
     engine = Engine(model, tokenizer, max_batch_size=2, cuda_graphs="auto")
     assert engine.kv.runner.graphs is None and engine.info()["cuda_graph_sizes"] == []
     assert "cuda_graph_captures" not in engine.snapshot()
-    with pytest.raises(ValueError, match="cuda_graphs='on' needs a CUDA device; the model is "
+    with pytest.raises(ValueError, match="--cuda-graphs on needs a CUDA device; the model is "
                                          "on cpu"):
         Engine(model, tokenizer, max_batch_size=2, cuda_graphs="on")
-    with pytest.raises(ValueError, match="cuda_graphs must be 'auto', 'on' or 'off'"):
+    with pytest.raises(ValueError, match="cuda_graphs must be one of auto, on, off"):
         Engine(model, tokenizer, max_batch_size=2, cuda_graphs="yes")
     settings = dict(model=None, device="cpu", dtype=None, threads=1, kv_cache="contiguous",
                     compile="off", cuda_graphs="on", adapters_dir=None, model_id="bundled",

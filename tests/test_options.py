@@ -72,3 +72,35 @@ def test_torch_threads_leave_a_core_on_the_cpu(monkeypatch):
     assert torch_threads(None, "cpu") == 1
     with pytest.raises(ValueError, match="--threads 0: must be between 1 and"):
         torch_threads(0, "cpu")
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"max_input_tokens": 200, "max_total_tokens": 100},
+     r"max_input_tokens \(200\) must be smaller"),
+    ({"compile": "on", "kv_cache": "contiguous"}, "--compile on needs --kv-cache paged"),
+    ({"cuda_graph_sizes": "0"}, "'0' is not one"),
+    ({"admission": "lifo"}, "admission must be one of fcfs, shortest, got 'lifo'"),
+])
+def test_every_way_in_reaches_the_one_judge(bad, words, monkeypatch):
+    """serve_in_background, the engine's process (build_engine) and Engine(...) built from
+    Python refuse a bad setting with the same words, before a process starts or a model loads:
+    options.check is the only place a setting is judged."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from helpers.server.engine_process import build_engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were judged")
+
+    monkeypatch.setattr("helpers.models.load_model", no_loading)
+    with pytest.raises(ValueError, match=words):
+        serve_in_background(**bad, name="never-started")
+    with pytest.raises(ValueError, match=words):
+        build_engine({**bad, "device": "cpu"})
+    model = SimpleNamespace(config=SimpleNamespace(n_positions=1024), device=torch.device("cpu"))
+    keywords = {("graph_sizes" if name == "cuda_graph_sizes" else name): value
+                for name, value in bad.items()}
+    with pytest.raises(ValueError, match=words):
+        Engine(model, None, **keywords)

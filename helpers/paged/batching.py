@@ -40,7 +40,7 @@ class PagedKVCache:
     prefix_caching:         new requests reuse cached blocks of their prompt's prefix
     spare_blocks:           blocks of the pool beyond ``num_blocks`` that the block manager
                             never hands out (the compiled step of the server writes padding
-                            there: ``helpers.server.runner``)
+                            there: ``helpers.server.kv``)
 
     Counters (since creation): ``prefill_tokens`` prompt tokens the model computed,
     ``cached_tokens`` prompt tokens found in the cache instead; ``manager.hit_blocks`` and

@@ -2,16 +2,13 @@
 
 Two sources, as in LoRAX: ``local``, the NAME of a folder in the server's adapters folder
 (``--adapters``; no paths, nothing that resolves outside it), and ``hub``, a Hugging Face Hub
-repository id fetched through peft's ``PeftConfig.from_pretrained`` (a clear 503 offline).
-Without ``adapter_source``, a name with a "/" is the hub's and any other is local.
-Adapters load on first use into one ``MultiLora`` (lesson 06), one adapter per row of the batch.
-
-Before any of it is loaded, an adapter is checked from its config and its safetensors header
-alone (never a pickle): LoRA's A and B matrices only, a rank of at most ``MAX_RANK`` (each layer
-pads every adapter to the largest rank loaded), a file no larger than twice the model (it is
-read whole, between two steps). At most ``MAX_HUB_ADAPTERS`` hub adapters: they stay loaded.
-Errors are the engine's (``errors``) and hold no path on the server's disk; a broken file in
-the server's own folder is the operator's problem (``GenerationFailed``, details in the log).
+repository id (a name with a "/", unless ``adapter_source`` says). Adapters load on first use
+into one ``MultiLora`` (lesson 06), one adapter per row of the batch; at most
+``MAX_HUB_ADAPTERS`` hub adapters, which stay loaded. Before anything is loaded, an adapter
+is checked from its config and its safetensors header alone (never a pickle): LoRA's A and B
+matrices only, a rank of at most ``MAX_RANK``, a file no larger than twice the model. Errors
+hold no path on the server's disk; a broken file in the server's own folder is the
+operator's problem (``GenerationFailed``, details in the log).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import re
 import threading
 from pathlib import Path
 
-from ..lora import NO_ADAPTER, MultiLora
+from ..lora import MultiLora
 from .errors import GenerationFailed, InvalidRequest, NotFound, Unavailable
 
 log = logging.getLogger("helpers.server")
@@ -136,10 +133,8 @@ class AdapterStore:
         return local_adapters(self.folder) if self.folder is not None else []
 
     def resolve(self, adapter_id: str | None, source: str | None = None,
-                api_token: str | None = None) -> str | None:
-        """The MultiLora name of the request's adapter (None: the base model)."""
-        if adapter_id is None or adapter_id in ("", NO_ADAPTER):
-            return None
+                api_token: str | None = None) -> str:
+        """The MultiLora name of the request's adapter (``adapter_id`` names one)."""
         if source is None:              # a local name never holds a "/"
             source = "hub" if "/" in adapter_id else "local"
         if source == "local":

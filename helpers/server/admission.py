@@ -1,12 +1,20 @@
 """Admission: a submission checked against the server's limits and made ready for the
-scheduler. (Lesson 07.)
+scheduler, and the order in which the waiting ones join the batch. (Lesson 07.)
 
-Everything a request costs before it reaches the model happens here, in the thread that
-submits it (a worker thread of the HTTP side, or of the engine's process), never in the
-scheduler: the chat template, tokenizing (bounded by the prompt's length first), the limits on
-tokens, loading the adapter, compiling the grammar, drawing the seeds. (The parameters'
-ranges were checked at the door, by ``GenerationParams.check``.) The scheduler
-(``engine.py``) only ever sees ``Admitted`` prompts.
+Everything a request costs before it reaches the model happens in ``Admission.admit``, in
+the thread that submits it, never in the scheduler: the chat template, tokenizing (bounded by
+the prompt's length first), the limits on tokens, loading the adapter, compiling the grammar,
+drawing the seeds. (The parameters' ranges were checked at the door, by
+``GenerationParams.check``.) The scheduler (``engine.py``) only ever sees ``Admitted``
+prompts, and calls ``take_waiting`` once a turn: who is admitted first is a policy
+(``POLICIES``, the server's ``--admission``):
+
+* ``fcfs``: first come, first served (the default, as in vLLM and TGI);
+* ``shortest``: the shortest prompt first (a short request is not stuck behind long ones; a
+  long one may wait while short ones keep coming).
+
+Either way, a request the KV layout cannot hold yet ends the turn's admission: with ``fcfs``
+nothing overtakes it, so a large request is never starved by small ones.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
+from ..lora import NO_ADAPTER
 from .adapters import AdapterStore
 from .contract import GenerationParams, Submission
 from .errors import InvalidRequest, TooLarge
@@ -106,8 +115,10 @@ class Admission:
                            f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
                            f"given: {len(ids)} tokens")
         max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
-        adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
-                                        params.api_token)
+        adapter = None               # the base model: no adapter to look up
+        if params.adapter_id not in (None, "", NO_ADAPTER):
+            adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
+                                            params.api_token)
         grammar = self._compile_grammar(params.grammar, max_new)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return Admitted(text, ids, max_new, adapter, grammar)
@@ -132,7 +143,7 @@ class Admission:
                 raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
             ids = self._tokenize(prompt, truncate)
         elif isinstance(prompt, (list, tuple)):
-            ids = self._check_token_ids(prompt, truncate)
+            ids = self._check_token_ids(prompt)
         else:
             raise InvalidRequest("the prompt must be a string or a list of token ids")
         if truncate is not None and len(ids) > truncate:
@@ -170,11 +181,8 @@ class Admission:
         return [{"id": token, "text": text[start:stop], "start": start, "stop": stop}
                 for token, (start, stop) in zip(ids, offsets)]
 
-    def _check_token_ids(self, ids, truncate: int | None) -> list[int]:
+    def _check_token_ids(self, ids) -> list[int]:
         """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
-        if len(ids) > self.max_input_tokens and truncate is None:
-            raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
-                                 f"(--max-input-tokens); given: {len(ids)} tokens")
         for i, token in enumerate(ids):
             if isinstance(token, bool) or not isinstance(token, int) \
                     or not 0 <= token < self.vocab_size:
@@ -205,3 +213,35 @@ class Admission:
                                  f"`max_new_tokens` is {max_new}")
         return compiled
 
+
+# --- who is admitted first -----------------------------------------------------------------
+
+def first_come(waiting):
+    """The request that came first."""
+    return waiting[0]
+
+
+def shortest_prompt(waiting):
+    """The request with the shortest prompt (the first of them, on a tie)."""
+    return min(waiting, key=lambda sequence: len(sequence.prompt_ids))
+
+
+POLICIES = {"fcfs": first_come, "shortest": shortest_prompt}
+
+
+def take_waiting(waiting, free: int, fits, policy, stats) -> list:
+    """Up to ``free`` requests taken from ``waiting`` (a deque) in the order ``policy`` picks
+    them, while ``fits(request)`` finds room for each (it reserves that room); those whose
+    client went away are dropped on the way (and counted in ``stats["cancelled"]``)."""
+    taken = []
+    while waiting and len(taken) < free:
+        sequence = policy(waiting)
+        if sequence.cancelled:
+            waiting.remove(sequence)
+            stats["cancelled"] += 1
+            continue
+        if not fits(sequence):
+            break
+        waiting.remove(sequence)
+        taken.append(sequence)
+    return taken

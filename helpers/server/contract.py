@@ -1,25 +1,16 @@
 """The contract between the HTTP side and the engine: what a route submits, what comes back, and
-the interface both kinds of engine offer. (Lesson 07.)
-
-Nothing here imports torch or the engine: the HTTP process of the server (``app.py`` and the
-routes) needs only these types, and the engine's process needs them too.
+the interface both kinds of engine offer. (Lesson 07.) Nothing here imports torch.
 
     routes ──▶ Submission ──▶ engine.submit(submission, sink) ──▶ Handle (answered once)
     routes ◀── sink([(sequence, event), ...]) ◀── the engine, after every step
 
-* ``GenerationParams``: one request's settings, in the engine's terms; ``check`` is the one
-  place a request's parameters are checked, called once by the protocol parsers at the door
-  (pydantic checked their types before).
-* ``Submission``: one HTTP request's prompts (or chat messages) and settings, with how many
-  copies of each prompt to generate (``best_of``, ``n``). One submission is one call to the
-  engine, answered once: a ``Handle`` (the prompts as the engine read them), or an
-  ``EngineError``.
-* Events, each for one sequence of a submission: ``PromptEvent`` (the prompt's log
-  probabilities), ``TokenEvent`` (a token; on the last one also its ``Finish``),
-  ``ErrorEvent`` (the sequence failed after it was accepted).
-* ``EngineClient``: what the routes call. ``Engine`` (the scheduler in a thread of the HTTP
-  process, ``engine.py``) and ``EngineProcess`` (the same engine in a process of its own,
-  ``engine_process.py``) both are one.
+``GenerationParams`` is one request's settings and ``check`` the one place they are checked
+(called by the protocol parsers at the door). A ``Submission`` is one HTTP request's prompts
+(or chat messages), each generated ``copies`` times; it is answered once, with a ``Handle`` or
+an ``EngineError``. Then come events, each for one sequence: ``PromptEvent`` (the prompt's log
+probabilities), ``TokenEvent`` (a token; on the last one also its ``Finish``), ``ErrorEvent``.
+``EngineClient`` is what the routes call: ``Engine`` (``engine.py``) and ``EngineProcess``
+(``engine_process.py``) both are one.
 """
 
 from __future__ import annotations
@@ -332,7 +323,9 @@ def deliver(items: list) -> list[Handle]:
 
 
 class EngineClient(Protocol):
-    """What the HTTP side uses of an engine: ``Engine`` and ``EngineProcess`` both offer it."""
+    """What the HTTP side uses of an engine: ``Engine`` and ``EngineProcess`` both offer it.
+    ``submit`` blocks (call it from a worker thread) and raises ``errors.EngineError``;
+    ``cancel`` drops a submission whose client went away; ``tokenize`` is TGI's /tokenize."""
 
     model_id: str
     kv_cache: str
@@ -343,20 +336,15 @@ class EngineClient(Protocol):
     vocab_size: int
     special_ids: set[int]
     restarts: int             # engine processes started again after a crash
+    healthy: bool
 
     def start(self) -> "EngineClient": ...
 
     def stop(self, timeout: float = ...) -> None: ...
 
-    @property
-    def healthy(self) -> bool: ...
+    def submit(self, submission: Submission, sink: Sink | None = None) -> Handle: ...
 
-    def submit(self, submission: Submission, sink: Sink | None = None) -> Handle:
-        """Check, prepare and queue every sequence of ``submission`` (blocks: call it from a
-        worker thread); raises ``errors.EngineError``. The events go to ``sink``."""
-
-    def cancel(self, handle: Handle) -> None:
-        """Drop a submission's unfinished sequences (its client went away)."""
+    def cancel(self, handle: Handle) -> None: ...
 
     def snapshot(self) -> dict: ...
 
@@ -364,7 +352,6 @@ class EngineClient(Protocol):
 
     def adapters_available(self) -> list[str]: ...
 
-    def tokenize(self, text: str) -> list[dict]:
-        """TGI's /tokenize: each token of ``text`` as a prompt: id, text, start, stop."""
-
     def adapters_loaded(self) -> list[str]: ...
+
+    def tokenize(self, text: str) -> list[dict]: ...

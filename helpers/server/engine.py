@@ -1,31 +1,19 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-It is read top to bottom in four parts:
-
-1. ``Sequence``: one sequence the scheduler generates, and the only record of its state (its
-   tokens, its text, its grammar, its sampler) and of whether it is finished.
-2. ``Engine``'s life cycle and its door: ``submit`` (admission, ``admission.py``: tokens,
-   limits, adapter, grammar, seeds) queues a submission's sequences and answers once with a
-   ``Handle``; ``cancel`` drops them when the client goes away.
-3. The scheduler thread, which repeats ``Engine.step``, the same turn whatever the KV layout
-   and however the model runs: drop the cancelled, admit (``scheduling.py``: the admission
-   policy; the KV layout's room), run the layout's forward passes (``kv.py``: lesson 03's
-   padded batch or lesson 08's paged cache, whose passes run through ``runner.py``: eager,
-   compiled or CUDA graphs), choose each row's token and hand it out.
-4. Choosing each row's token by its own rules (greedy or seeded sampling, penalties, logit
-   bias, a grammar's mask: ``sampling.py``), and handing the events out: after every
-   forward pass, one call to ``deliver`` with its events.
+``submit`` admits a submission (``admission.py``: tokens, limits, adapter, grammar, seeds),
+queues its sequences (``sampling.Sequence``) and answers once with a ``Handle``; ``cancel``
+drops them when the client goes away. The scheduler thread repeats ``Engine.step``, the same
+turn whatever the KV layout and however the model runs: drop the cancelled, admit (the
+policy in ``admission.py``, the room in ``kv.py``), run the layout's passes (lesson 03's
+padded batch or lesson 08's paged cache, eager, compiled or CUDA graphs), choose each row's
+token by its own rules (``sampling.py``) and hand the events out, one ``deliver`` a pass.
 
 Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
-(and, with an adapter, what generating that row alone with the adapter gives): batching
-changes when answers come, not what they are.
-
-The server runs the engine in a process of its own by default (``engine_process.py``: the
-scheduler then never waits for the HTTP side's thread to give back Python's lock); the engine
-is the same either way. Errors are the engine's own (``helpers.server.errors``); the HTTP side
-turns them into status codes. A row whose token cannot be chosen (NaN logits from extreme
-settings, a failing grammar) fails alone: the other rows of the batch carry on.
+(with an adapter, what generating that row alone with it gives): batching changes when
+answers come, not what they are. A row whose token cannot be chosen (NaN logits from extreme
+settings, a failing grammar) fails alone. The server runs the engine in a process of its own
+by default (``engine_process.py``); the engine is the same either way.
 """
 
 from __future__ import annotations
@@ -34,169 +22,34 @@ import logging
 import threading
 import time
 import traceback
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 
 import torch
 
-from ..batching import model_context
+from ..compilation import CAPTURE_SIZES
 from ..lora import ADAPTERS_DIR
-from . import sampling
 from .adapters import AdapterStore
-from .admission import Admission, Admitted
-from .sampling import TokenChooser, guarded
-from .contract import (ErrorEvent, Finish, GenerationParams, Handle, Sink, Submission,
-                       TokenEvent, deliver)
-from .tokens import IncrementalDecoder
-from .errors import EngineError, Overloaded, Unavailable
+from .admission import POLICIES, Admission, take_waiting
+from .contract import ErrorEvent, Handle, Sink, Submission, deliver
+from .errors import Overloaded, Unavailable
 from .grammar import Grammars
 from .kv import make_kv
-from .options import DEFAULTS
-from .scheduling import POLICIES, take_waiting
+from .options import DEFAULTS, check
+from .sampling import Sequence, TokenChooser, guarded
 
 log = logging.getLogger("helpers.server")
 
-
-# --- 1. one sequence -------------------------------------------------------------------------
-
-class Sequence:
-    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``): what
-    the scheduler knows of it, from the queue to its last token. It alone decides when it is
-    finished (``accept``); the engine copies that into the batch."""
-
-    def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
-                 params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
-        self.id = number                    # the engine's number for it (its batch row's id)
-        self.handle = handle                # the submission it belongs to
-        self.sequence = sequence            # which of the submission's sequences it is
-        self.params = params
-        self.prompt_ids = admitted.input_ids
-        self.max_new_tokens = admitted.max_new_tokens
-        self.adapter = admitted.adapter
-        self.seed = seed
-        self.submitted = time.perf_counter()
-        self.tokenizer = tokenizer
-        self.eos_id = eos_id
-        self.generator = None
-        if params.sampling:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(seed)
-        self.error: BaseException | None = None      # set if this row failed (alone)
-        self.matcher = None
-        if admitted.grammar is not None:
-            try:
-                self.matcher = admitted.grammar.matcher()
-            except Exception as err:
-                self.error = err
-        self.penalty = (params.repetition_penalty
-                        if params.repetition_penalty not in (None, 1.0) else None)
-        # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
-        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not with a grammar, where
-        # EOS is only allowed once the answer is complete.
-        self.ignore_eos = params.ignore_eos_token and self.matcher is None
-        self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
-        self.counts: Counter = Counter()   # how often each of them was generated
-        self.count = 0                 # generated tokens, EOS included
-        self.text = ""                 # text handed out so far
-        self.decoder = None            # its IncrementalDecoder (tokens.py), from the first token
-        self.longest_stop = max((len(s) for s in params.stop), default=0)
-        self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
-        self.finished = False
-
-    @property
-    def cancelled(self) -> bool:
-        return self.handle.cancelled
-
-    @property
-    def adjusts_logits(self) -> bool:
-        params = self.params
-        return (self.penalty is not None or self.matcher is not None or bool(params.logit_bias)
-                or bool(params.frequency_penalty) or bool(params.presence_penalty))
-
-    def accept(self, token: int | None, logprob: float | None, alternatives,
-               special_ids: set, eos_text: str) -> TokenEvent:
-        """Add this step's token: its text, its event, and whether the request is finished."""
-        if self.max_new_tokens == 0:
-            self.finished = True
-            return TokenEvent(None, self._finish("length", None))
-        self.count += 1
-        reason, stop_at = None, None
-        if token == self.eos_id and not self.ignore_eos:
-            piece, special, reason = eos_text, True, "eos_token"
-        else:
-            self.ids.append(token)
-            self.counts[token] += 1
-            if self.matcher is not None:
-                self.matcher.advance(token)
-            special = token in special_ids
-            piece, stop_at = self._add_text()
-            if stop_at is not None:
-                reason = "stop_sequence"
-        if reason is None and self.count >= self.max_new_tokens:
-            reason = "length"
-        out = {"id": int(token), "text": piece, "logprob": sampling.finite(logprob),
-               "special": special}
-        if alternatives is not None:
-            out["alternative_tokens"] = alternatives
-        self.finished = reason is not None
-        return TokenEvent(out, self._finish(reason, stop_at) if self.finished else None)
-
-    def fail(self) -> ErrorEvent:
-        """The event of a request that failed alone (``error`` is set)."""
-        self.finished = True
-        err = self.error
-        log.warning("request %s failed alone: %s", self.id,
-                    "".join(traceback.format_exception(err)).strip())
-        if isinstance(err, EngineError):
-            return ErrorEvent(f"generation failed: {err.message}")
-        return ErrorEvent("generation failed while choosing the next token; the server's log "
-                          "has the details")
-
-    def _add_text(self) -> tuple[str, int | None]:
-        """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched). Only the last few tokens are decoded (``tokens.IncrementalDecoder``): decoding the whole
-        answer at every token would cost more the longer it gets."""
-        if self.decoder is None:
-            self.decoder = IncrementalDecoder(self.tokenizer)
-        # A token may end inside a multi-byte character: the decoder holds its text back until
-        # the character is complete, or until the request ends.
-        piece = self.decoder.add(self.ids[-1])
-        if self.count >= self.max_new_tokens:
-            piece += self.decoder.flush()
-        stop_at = None
-        stops = self.params.stop
-        if stops and piece:
-            start = max(0, len(self.text) - self.longest_stop + 1)
-            text = self.text + piece
-            found = [pos for pos in (text.find(s, start) for s in stops) if pos >= 0]
-            stop_at = min(found) if found else None
-        self.text += piece
-        return piece, stop_at
-
-    def _finish(self, reason: str, stop_at: int | None) -> Finish:
-        return Finish(reason, self.tokenizer.decode(self.ids), self.count,
-                      len(self.prompt_ids), self.seed, stop_at,
-                      time.perf_counter() - self.submitted)
-
-
-# --- 2. the engine: life cycle and door ----------------------------------------------------
 
 class Engine:
     """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
 
     model, tokenizer:  from ``helpers.load_model`` (any causal LM; the tokenizer pads with EOS)
     adapters_dir:      folder of local adapters, one sub-folder each (default: the course's)
-    max_batch_size:    rows generated together (the slots of lesson 03)
-    max_input_tokens:  longest prompt accepted, in tokens (default: half the context)
-    max_total_tokens:  prompt + new tokens of one request (default: the model's context)
-    max_queue:         requests that may wait for a slot; one more is refused (Overloaded)
-    default_max_new_tokens: what a request that does not say gets (capped by the room left)
-    admission:         the order in which waiting requests are admitted: "fcfs" or
-                       "shortest" (``scheduling.py``)
-    kv_cache:          the KV layout (``kv.py``): "paged" (lesson 08, the server's default)
-                       or "contiguous" (lesson 03)
-    layout:            the paged layout's options (``kv.make_kv``): block_size,
-                       prefix_caching, max_prefill_tokens, num_blocks, and how its passes
-                       run (``runner.Runner``): compile, cuda_graphs, graph_sizes, capture.
+    max_batch_size ... kv_cache: the server's options of those names (``options.OPTIONS``),
+                       judged by ``options.check``; ``compile``, ``cuda_graphs`` and
+                       ``graph_sizes`` (``--cuda-graph-sizes``) too, for the paged layout
+    layout:            the paged layout's other options (``kv.make_kv``): block_size,
+                       prefix_caching, max_prefill_tokens, num_blocks, capture.
                        Compiling and capturing happen here, before the engine answers
                        anything, and never after.
 
@@ -213,23 +66,20 @@ class Engine:
                  max_queue: int = DEFAULTS["max_queue"],
                  default_max_new_tokens: int = DEFAULTS["default_max_new_tokens"],
                  admission: str = DEFAULTS["admission"], kv_cache: str = DEFAULTS["kv_cache"],
-                 model_id: str | None = None, **layout):
-        max_input_tokens, max_total_tokens = _check_limits(
-            model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
-            default_max_new_tokens)
-        if admission not in POLICIES:
-            raise ValueError(f"admission must be one of {', '.join(POLICIES)}, got {admission!r}")
-        if kv_cache not in ("paged", "contiguous"):
-            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
-        if kv_cache == "contiguous" and layout:
-            raise ValueError(f"{', '.join(layout)}: options of the paged KV layout, not of "
-                             f"kv_cache='contiguous'")
+                 model_id: str | None = None, compile="off", cuda_graphs="off",
+                 graph_sizes=CAPTURE_SIZES, **layout):
+        judged = check(dict(max_batch_size=max_batch_size, max_input_tokens=max_input_tokens,
+                            max_total_tokens=max_total_tokens, max_queue=max_queue,
+                            default_max_new_tokens=default_max_new_tokens, admission=admission,
+                            kv_cache=kv_cache, compile=compile, cuda_graphs=cuda_graphs,
+                            cuda_graph_sizes=graph_sizes),
+                       model, device=None if layout.get("capture") else model.device)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or getattr(model.config, "_name_or_path", "") or "model"
         self.max_batch_size = max_batch_size
-        self.max_input_tokens = max_input_tokens
-        self.max_total_tokens = max_total_tokens
+        self.max_input_tokens = judged["max_input_tokens"]
+        self.max_total_tokens = judged["max_total_tokens"]
         self.max_queue = max_queue
         self.default_max_new_tokens = default_max_new_tokens
         self.policy_name, self.policy = admission, POLICIES[admission]
@@ -240,7 +90,6 @@ class Engine:
         self.eos_text = (tokenizer.convert_ids_to_tokens(self.eos_id)
                          if self.eos_id is not None else "")
         self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
-        #: Each row's next token by its own rules (``sampling.py``).
         self.choose = TokenChooser(tokenizer, self.eos_id, self.pad_id)
 
         self._model_lock = threading.RLock()    # held during a step, and to add an adapter
@@ -253,19 +102,23 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
         self.adapters = AdapterStore(model, adapters_dir, self._model_lock)
-        self.admission = Admission(tokenizer, self.adapters, max_input_tokens=max_input_tokens,
-                                   max_total_tokens=max_total_tokens,
+        self.admission = Admission(tokenizer, self.adapters,
+                                   max_input_tokens=self.max_input_tokens,
+                                   max_total_tokens=self.max_total_tokens,
                                    default_max_new_tokens=default_max_new_tokens,
                                    vocab_size=self.vocab_size)
         self.max_prompt_chars = self.admission.max_prompt_chars
         self.stats = defaultdict(float)
-        #: Where the running rows' keys and values live, and the passes of a turn (``kv.py``).
+        #: Where the running rows' keys and values live, the passes of a turn and how they
+        #: run (``kv.py``).
+        if kv_cache == "paged":
+            layout.update(compile=judged["compile"], cuda_graphs=judged["cuda_graphs"],
+                          graph_sizes=judged["cuda_graph_sizes"])
         self.kv = make_kv(kv_cache, model, tokenizer, self.pad_id,
-                          max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
+                          max_batch_size=max_batch_size, max_total_tokens=self.max_total_tokens,
                           lora=self.adapters.lora, **layout)
         #: Where every step's events go: ``deliver([(sequence, event), ...])``. Here, to each
-        #: submission's sink; the engine's process replaces it with one message to the HTTP
-        #: process (``engine_process.py``).
+        #: submission's sink; the engine's process sends them to the HTTP process instead.
         self.deliver = deliver_to_sinks
 
     def start(self) -> "Engine":
@@ -296,12 +149,11 @@ class Engine:
 
     def submit(self, submission: Submission, sink: Sink | None = None,
                tag: object = None) -> Handle:
-        """Admit every prompt of ``submission`` (``admission.py``: may block, loading an
-        adapter or compiling a grammar: call it from a worker thread) and queue
-        ``submission.copies`` requests of each; their events go to ``sink`` (``tag``: the
-        caller's name for the submission, kept on the handle). Raises
-        ``errors.EngineError`` (``Overloaded`` when the queue is full, ``Unavailable`` when
-        the engine is not running), and then nothing was queued."""
+        """Admit every prompt of ``submission`` (may block, loading an adapter or compiling
+        a grammar: call it from a worker thread) and queue ``submission.copies`` sequences of
+        each; their events go to ``sink`` (``tag``: the caller's name for the submission).
+        Raises ``errors.EngineError`` (``Overloaded``: the queue is full), and then nothing
+        was queued."""
         admitted = self.admission.admit(submission)
         params, copies = submission.params, submission.copies
         # Each prompt its own seeds (the request's seed, if it gave one, for each prompt).
@@ -328,8 +180,7 @@ class Engine:
         return handle
 
     def cancel(self, handle: Handle) -> None:
-        """Forget a submission (its client went away): its requests leave the batch before the
-        next step, and their slots go to the next waiting requests."""
+        """Forget a submission (its client went away): its rows leave before the next step."""
         with self._cond:
             if handle.finished or handle.cancelled:
                 return
@@ -374,7 +225,7 @@ class Engine:
     def adapters_loaded(self) -> list[str]:
         return self.adapters.loaded
 
-    # --- 3. the scheduler thread ----------------------------------------------------------
+    # --- the scheduler thread ----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -434,8 +285,7 @@ class Engine:
 
     def _score_prompts(self, new: list[Sequence]) -> None:
         """The PromptEvent of every new sequence that asked for it (``prompt_logprobs``),
-        from a forward pass of its prompt alone, with its adapter: its prefill may be split
-        into chunks, or skipped for a cached prefix, and keeps only the last position."""
+        from a pass of its prompt alone: its prefill may be chunked or cached."""
         outgoing = []
         for row in new:
             if row.params.prompt_logprobs:
@@ -451,9 +301,8 @@ class Engine:
         self.choose.score_prompt(row, logits, outgoing)
 
     def _generate(self, batch) -> None:
-        """One forward pass of the layout over ``batch``, each row with its adapter; the rows
-        that read all their tokens get their next one, chosen by ``TokenChooser``; then every
-        such row's event goes out and the finished rows are marked done."""
+        """One pass of the layout over ``batch``, each row with its adapter; the rows that read
+        all their tokens get their next one (``TokenChooser``), and their events go out."""
         start = time.perf_counter()
         kind = "decode" if batch.prefilled else "prefill"
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
@@ -462,7 +311,7 @@ class Engine:
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
             chosen.extend(zip(rows, picked))
-            return self.choose(picked, logits, outgoing)
+            return self.choose(picked, logits)
 
         lora = self.adapters.lora
         adapters = None
@@ -474,12 +323,11 @@ class Engine:
         self.stats["tokens"] += len(chosen)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
-    # --- 4. handing out tokens --------------------------------------------------------------
+    # --- handing out tokens ------------------------------------------------------------------
 
     def _hand_out(self, batch, rows: list[tuple[int, Sequence]], outgoing: list) -> None:
-        """After a forward pass: each row's event (its token, or its failure) goes out; the
-        requests that finished leave ``_rows``, and their batch rows are marked done (the
-        caller filters them out)."""
+        """Each row's event (its token, or its failure) goes out; the finished ones leave
+        ``_rows`` and are marked done in ``batch``."""
         try:
             for i, row in rows:
                 if row.error is None:
@@ -517,26 +365,3 @@ class Engine:
 def deliver_to_sinks(outgoing: list[tuple[Sequence, object]]) -> None:
     """A step's events to their submissions' sinks (``contract.deliver``)."""
     deliver([(sequence.handle, sequence.sequence, event) for sequence, event in outgoing])
-
-
-def _check_limits(model, max_batch_size, max_input_tokens, max_total_tokens, max_queue,
-                  default_max_new_tokens) -> tuple[int, int]:
-    """ValueError for limits that make no sense; returns (max_input_tokens, max_total_tokens)
-    with their defaults filled in."""
-    context = model_context(model)
-    if max_total_tokens is None:
-        max_total_tokens = context or 2048
-    if context is not None and max_total_tokens > context:
-        raise ValueError(f"max_total_tokens={max_total_tokens} is beyond the model's context "
-                         f"of {context} tokens")
-    if max_input_tokens is None:
-        max_input_tokens = max(1, max_total_tokens // 2)
-    for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
-                        ("max_input_tokens", max_input_tokens),
-                        ("default_max_new_tokens", default_max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not max_input_tokens < max_total_tokens:
-        raise ValueError(f"max_input_tokens ({max_input_tokens}) must be smaller than "
-                         f"max_total_tokens ({max_total_tokens})")
-    return max_input_tokens, max_total_tokens

@@ -1,32 +1,24 @@
 """Constrained decoding: a JSON schema or a regular expression becomes a mask on the logits.
 (Lesson 07.)
 
-``Grammars(tokenizer).compile(kind, value)`` ("json" with a schema, "regex" with a pattern)
-returns a ``Compiled`` grammar shared by every request that asks for the same one;
-``Compiled.matcher()`` follows one request: ``apply(logits_row, budget)`` sets the forbidden
-tokens' logits to -inf, ``advance(token)`` takes the token chosen. EOS is allowed only where
-the text is complete. The engine is llguidance (vLLM's and SGLang's): it parses the text as it
-is written instead of building one automaton up front, so compiling costs about as much as
-reading the schema (benchmarks/results/bench_grammar.md).
+``Grammars(tokenizer).compile(kind, value)`` ("json" or "regex") returns a ``Compiled``
+grammar shared by the requests that ask for it; ``Compiled.matcher()`` follows one request:
+``apply(logits_row, budget)`` masks the forbidden tokens, ``advance(token)`` takes the one
+chosen. The engine is llguidance (vLLM's and SGLang's), which parses as the text is written,
+so compiling costs about as much as reading the schema (benchmarks/results/bench_grammar.md).
 
-No request makes a grammar cost more than the server allows: its text is at most
-``max_grammar_bytes`` and ``max_depth`` levels (``errors.TooLarge``); llguidance's own limits
-(``parser_limits()``) bound the work of compiling and of each token's mask; compilation waits at most
-``compile_timeout`` seconds (a late one finishes in the background and is cached); at most
-``max_compiling`` distinct grammars compile at once (``errors.Overloaded``); compiled grammars
-live in a cache of at most ``cache_bytes``, least recently used out first. A schema no text
-satisfies, or one using a keyword llguidance lacks, is an ``errors.InvalidRequest``.
+No request makes a grammar cost more than the server allows: its size and depth are bounded
+(``errors.TooLarge``), so are llguidance's work (``parser_limits()``), the wait for a compile
+(``compile_timeout``; a late one is cached when done), the compiles at once (``Overloaded``)
+and the cache of compiled grammars (``cache_bytes``, least recently used out first). JSON
+objects that list their ``properties`` are closed, or a small model writes extra keys until
+its budget ends; the layout is ``json.dumps``'s.
 
-JSON objects that list their ``properties`` are closed (``additionalProperties: false``), or a
-small model writes extra keys until its budget ends; the layout is ``json.dumps``'s.
-
-The budget: a matcher's *closer* finds a short completion from where the text is (the closing
-quote, bracket or brace when allowed, else the least used character allowed). Within
-``MARGIN`` tokens of the budget, only tokens from which the closer still finishes in time are
-allowed, so JSON mode closes within ``max_new_tokens`` whenever the closer finds an ending.
-``Compiled.min_tokens`` is the closer's length from the start (the engine refuses a smaller
-``max_new_tokens``); None, when it finds none within ``CLOSER_STEPS`` tokens or its time, makes
-the grammar budget-free, as does a closer that fails later.
+The budget: a matcher's *closer* finds a short completion from where the text is (closing
+quotes and brackets first). Within ``MARGIN`` tokens of the budget, only tokens from which
+the closer still finishes in time are allowed, so JSON mode closes within ``max_new_tokens``.
+``Compiled.min_tokens`` is the closer's length from the start (a smaller ``max_new_tokens`` is
+refused); None (no ending within ``CLOSER_STEPS`` tokens) makes the grammar budget-free.
 """
 
 from __future__ import annotations
@@ -125,8 +117,7 @@ def closed_objects(schema):
 
 
 class Matcher:
-    """One request's place in a grammar: masks the next token's logits, follows the tokens
-    chosen. Made by ``Compiled.matcher()``; used by one thread at a time."""
+    """One request's place in a grammar (``Compiled.matcher()``; one thread at a time)."""
 
     def __init__(self, compiled: "Compiled", state):
         self.compiled = compiled

@@ -1,38 +1,23 @@
 """CUDA graphs for the paged layout's decode passes: each replayed with a launch or two.
 (Lessons 08 and 10.)
 
-On a GPU a small model's decode step is bound by kernel launches, not by the GPU: every
-operation is a launch from the CPU (Python, the dispatcher, the driver), and a four-layer
-model's step is about a hundred of them, each taking the CPU longer than the GPU takes to run
-it. A CUDA graph records the launches of one step once and then replays them all with a
-single launch. What it records is fixed, and this module is the bookkeeping that follows:
+On a GPU a small model's decode step is bound by kernel launches: each takes the CPU longer
+than the GPU takes to run it. A CUDA graph records one step's launches once and replays them
+with one launch; what it records is fixed, and this module is the bookkeeping that follows:
 
-* **shapes**: a graph serves one batch size. So the decode step is captured once per
-  *capture size* (1, 2, 4, 8, 16, 32, 64 by default), and a decode batch of n rows replays the
-  graph of the smallest size that holds it (lesson 10's ``capture_size``), the rows past n
-  being padding. The longest history L is fixed too: every row reads L pool entries, those
-  past its end masked (``max_total_tokens``, the longest a request may get).
-* **addresses**: the kernels read and write the same memory at every replay. So the step's
-  inputs live in one buffer on the GPU that every graph reads (``inputs``), filled each step
-  by one copy from a twin in pinned host memory (``staging``), and the output is the graph's
-  own tensor, overwritten by the next replay. The KV pool is allocated once (lesson 08), so
-  its address never changes either. Padding rows write their keys and values to the scratch
-  block, which no request owns, and read only from there: nothing reads them back.
-* **nothing else**: a graph replays kernels only, so the captured step may not copy to or
-  from the CPU, wait for the GPU, or depend on values it reads (every such step would be
-  frozen at capture). Steps that read prompts (their lengths vary), rows with a LoRA adapter
-  (lesson 06's per-row adapters gather differently for each batch) and batches above the
-  largest size run as before (``PackedStep``), and each is counted by reason.
+* **shapes**: one graph per *capture size* (1, 2, 4, ... 64); a decode batch of n rows replays
+  the smallest that holds it (lesson 10's ``capture_size``), the rows past n being padding.
+  Every row reads L = ``max_total_tokens`` pool entries, those past its end masked.
+* **addresses**: every graph reads one input buffer on the GPU (``inputs``), filled each step
+  by one copy from a pinned twin (``staging``); the output is the graph's own tensor. The KV
+  pool never moves (lesson 08). Padding rows read and write the scratch block only.
+* **nothing else**: a graph replays kernels only, so steps that read prompts, rows with a LoRA
+  adapter and batches above the largest size run the packed step instead, each counted by
+  reason (``fallbacks``).
 
-Every graph is captured at start-up, after the KV pool exists and the step is compiled,
-largest first, all in one memory pool (a graph's intermediate tensors are its own; one pool
-lets the graphs share that memory, since only one replays at a time). No graph is ever
-captured after start-up: ``run`` replays or the step goes the old way.
-
-The recording itself is lesson 10's ``record`` (``helpers.compilation``), the one capture of
-the course. On a CPU there is no CUDA graph: ``record`` stands in with a step run again at
-each "replay" (``rerun_each_replay``), which the tests use to check everything around the
-graphs (sizes, padding, staging, the scratch block, the counts) on a machine without a GPU.
+Every graph is captured at start-up, largest first, in one memory pool, and none after. The
+recording is lesson 10's ``record``; on a CPU, ``rerun_each_replay`` stands in for it (a step
+run again at each "replay"), so the tests check all of the above without a GPU.
 """
 
 from __future__ import annotations
@@ -43,8 +28,8 @@ from collections import Counter
 import torch
 
 from ..compilation import CAPTURE_SIZES, capture_size, record
-from . import startup
 from ..paged.attention import PackedInputs
+from . import startup
 
 #: The columns of one row of the staging buffer: its new token, that token's position, the
 #: pool index its keys and values go to, its history's length; then the L pool indices of
@@ -58,42 +43,13 @@ def _fresh(view: torch.Tensor) -> torch.Tensor:
     return view.clone(memory_format=torch.contiguous_format)
 
 
-def check_sizes(sizes, max_batch_size: int) -> tuple[int, ...]:
-    """The capture sizes that can occur (at most ``max_batch_size``), sorted; ValueError for
-    a size that is not a positive integer, or for no size left."""
-    sizes = tuple(sizes)
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"capture sizes (--cuda-graph-sizes) must be positive integers, "
-                             f"got {size!r}")
-    usable = tuple(sorted({size for size in sizes if size <= max_batch_size}))
-    if not usable:
-        raise ValueError(f"no capture size in {sizes} is at most the largest batch, "
-                         f"{max_batch_size} (--max-batch-size)")
-    return usable
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4,8"`` (the server's --cuda-graph-sizes) as a tuple of ints; ValueError naming
-    the piece that is not a positive whole number."""
-    sizes = []
-    for piece in str(text).split(","):
-        piece = piece.strip()
-        if not (piece.isascii() and piece.isdigit() and int(piece) > 0):
-            raise ValueError(f"--cuda-graph-sizes takes positive whole numbers separated by "
-                             f"commas (e.g. 1,2,4,8); {piece!r} is not one")
-        sizes.append(int(piece))
-    return tuple(sizes)
-
-
 class GraphedDecode:
     """The decode step of ``packed`` (a ``PackedStep``, compiled or not) captured as one graph
     per capture size. (Lesson 10.)
 
-    ``capture_all()`` records the graphs (at start-up); ``why_not(batch)`` says why a batch
-    cannot replay one (None when it can); ``run(starts, tables, ids)`` replays the step for
-    rows that each feed one token and returns their logits, (rows, 1, vocab), as
-    ``PackedStep._run`` does. ``length`` is L, the most positions a row's history may have.
+    ``capture_all()`` records the graphs (at start-up); ``replays_for(batch)`` says whether
+    a batch can replay one; calling it replays the step, as calling ``PackedStep`` runs it.
+    ``length`` is L, the most positions a row's history may have.
     """
 
     def __init__(self, packed, length: int, sizes=CAPTURE_SIZES, capture=None):
@@ -170,28 +126,31 @@ class GraphedDecode:
 
     # --- every step ------------------------------------------------------------------------
 
-    def why_not(self, batch) -> str | None:
-        """Why this batch cannot replay a graph ("prompt", "adapter", "rows"), or None."""
-        if not batch.prefilled:
-            return "prompt"                  # some row reads prompt tokens this step
-        if any(batch.adapters):
-            return "adapter"
-        if sum(not done for done in batch.done) > self.sizes[-1]:
-            return "rows"
-        return None
+    def replays_for(self, batch) -> bool:
+        """Whether this batch can replay a graph; if not, the reason is counted ("prompt",
+        "adapter", "rows")."""
+        why = ("prompt" if not batch.prefilled          # some row reads prompt tokens
+               else "adapter" if any(batch.adapters)
+               else "rows" if sum(not done for done in batch.done) > self.sizes[-1] else None)
+        if why is not None:
+            self.fallbacks[why] += 1
+        return why is None
+
+    def __call__(self, batch, rows, starts, counts, tables) -> torch.Tensor:
+        """A decode pass (``paged_next_token``'s ``forward``), one token a row, replayed."""
+        return self.run(starts, tables, [batch.sequence(row)[start]
+                                         for row, start in zip(rows, starts)])
 
     def run(self, starts: list[int], tables: list[list[int]], ids: list[int]) -> torch.Tensor:
-        """Replay the step for these rows (row r: ``starts[r]`` tokens in its blocks
-        ``tables[r]``, feeding the one token ``ids[r]``); their logits, (rows, 1, vocab).
-        In inference mode, as the engine's steps run."""
-        rows = len(ids)
-        size = capture_size(rows, self.sizes)
+        """Replay the step of the graph of their capture size for these rows (row r: ``starts[r]``
+        tokens in its blocks ``tables[r]``, feeding ``ids[r]``); their logits, (rows, 1, vocab)."""
+        size = capture_size(len(ids), self.sizes)
         self._stage(starts, tables, ids, size)
         replay, output = self.graphs[size]
         replay()
         self.replays += 1
-        self.padded_rows += size - rows
-        return output[0, :rows, None]
+        self.padded_rows += size - len(ids)
+        return output[0, :len(ids), None]
 
     def _stage(self, starts, tables, ids, size: int) -> None:
         """Fill the first ``size`` rows of the pinned staging buffer (the real rows, then

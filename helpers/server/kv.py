@@ -1,34 +1,40 @@
-"""The KV layouts the engine is given: where the running rows' keys and values live, and which
-forward passes one turn of the scheduler makes. (Lessons 03, 07 and 08.)
+"""The KV layouts the engine is given, and how the paged one runs its passes. (Lessons 03,
+07, 08 and 10.)
 
-``Engine.step`` (engine.py) is the same for both; a layout answers its four questions:
+``Engine.step`` is the same for both layouts; a layout answers four questions: ``admits()``
+(may waiting requests join this turn?), ``admit(sequence)`` (is there room for this one? it
+is then reserved), ``passes()`` (this turn's forward passes, one batch each; after each, the
+finished rows leave and their room goes back) and ``forward(batch, adapters, choose)`` (one
+pass, then ``choose(logits, rows)`` for the rows that read all their tokens).
 
-* ``admits()``: may waiting requests join this turn?
-* ``admit(sequence)``: is there room for this one? (It is then reserved.)
-* ``passes()``: the forward passes of this turn, one batch each; after each pass the rows
-  that finished leave, and their room goes back.
-* ``forward(batch, adapters, choose)``: one pass: the model on the batch, then
-  ``choose(logits, rows)`` picks the next token of each row in ``rows`` (the rows that have
-  read all their tokens), as lessons 03 and 08 let their loops choose.
-
-``ContiguousKV`` is lesson 03's padded batch (``--kv-cache contiguous``): the new prompts are
-read in a prefill pass of their own, then merged into the running batch, and one decode pass
-follows for every row. ``PagedKV`` is lesson 08's pool of blocks (the default): new rows join
-the running batch at once, and one pass feeds every row what it has pending, a decode row its
-last token and a new row its prompt (or a chunk of it: chunked prefill), through the runner
-(``runner.py``: lesson 08's step, compiled by lesson 10 and replayed as CUDA graphs on a GPU).
+``ContiguousKV`` is lesson 03's padded batch (``--kv-cache contiguous``): new prompts are read
+in a prefill pass of their own, then one decode pass runs over every row. ``PagedKV`` is lesson
+08's pool of blocks (the default): one pass feeds every row what it has pending (a decode row
+its last token, a new row its prompt or a chunk of it), its model pass run by the ``Runner``:
+eager with the rows' tokens packed into one sequence as vLLM does (``PackedStep``), compiled
+(lesson 10, ``--compile``; three graphs, compiled at start-up), or replayed from a CUDA graph
+(lesson 10, ``--cuda-graphs``: ``graphs.py``); a pass in which a row uses a LoRA adapter runs
+lesson 08's own. Nothing is compiled or captured after start-up.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+
+import torch
 
 from ..batching import (Batch, batch_from_token_ids, filter_batch, generate_next_token,
                         merge_batches)
-from ..compilation import CAPTURE_SIZES
-from ..paged import (PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch, kv_shape,
-                     merge_paged_batches, paged_next_token)
+from ..paged import (KVPool, PagedBatch, PagedKVCache, PoolExhausted, filter_paged_batch,
+                     kv_shape, merge_paged_batches, paged_next_token)
+from ..paged.attention import COMPILED_ATTENTION, PackedInputs, packed_paged_attention
 from ..paged.batching import check_prefill_budget, paged_batch_from_token_ids
+from . import startup
+from .graphs import GraphedDecode
+
+log = logging.getLogger("helpers.server")
 
 #: The most memory the default pool takes (vLLM's CPU build asks for its KV space in GiB too).
 POOL_BYTES = 2**30
@@ -36,7 +42,6 @@ POOL_BYTES = 2**30
 
 class ContiguousKV:
     """Lesson 03's KV cache: one padded tensor per layer for the running batch (``Batch``).
-
     Every request fits: the cache grows with the batch, so room is only the batch's slots."""
 
     name = "contiguous"
@@ -69,7 +74,7 @@ class ContiguousKV:
 
     def forward(self, batch: Batch, adapters, choose) -> None:
         """Lesson 03's ``generate_next_token``, each row with its adapter (``adapters``: a
-        ``MultiLora`` and one name or None per row, or None)."""
+        ``MultiLora`` and each row's name, or None)."""
         if adapters is not None:
             lora, names = adapters
             lora.set_rows(names)
@@ -80,10 +85,7 @@ class ContiguousKV:
 
     def drop(self, request_ids) -> None:
         """These rows leave the running batch (their clients went away)."""
-        for row, rid in enumerate(self.batch.request_ids):
-            if rid in request_ids:
-                self.batch.done[row] = True
-        self.batch = filter_batch(self.batch)
+        self.batch = filter_batch(_done(self.batch, request_ids))
 
     def clear(self) -> None:
         self.batch, self._new = Batch.empty(), []
@@ -95,24 +97,18 @@ class ContiguousKV:
         return {"kv_cache": self.name}
 
 
-def default_pool_blocks(model, block_size: int, max_batch_size: int,
-                        max_total_tokens: int) -> int:
-    """Blocks for ``max_batch_size`` requests of ``max_total_tokens`` tokens, cut to what
-    ``POOL_BYTES`` holds, but never below one request's worth."""
-    layers, kv_heads, head_dim = kv_shape(model.config)
-    block_bytes = 2 * layers * kv_heads * head_dim * block_size * model.dtype.itemsize
-    per_request = math.ceil(max_total_tokens / block_size)
-    return max(per_request, min(max_batch_size * per_request, POOL_BYTES // block_bytes))
+def _done(batch, request_ids):
+    """``batch`` with the rows of ``request_ids`` marked done (to be filtered out)."""
+    for row, rid in enumerate(batch.request_ids):
+        batch.done[row] = batch.done[row] or rid in request_ids
+    return batch
 
 
 class PagedKV:
     """Lesson 08's KV cache: a pool of blocks, a block table per row (``PagedBatch``), prefix
-    caching and chunked prefill.
-
-    A request is admitted when the pool can hold its worst case (prompt plus every new token
-    it may get); a request the pool cannot hold yet waits at the head of the queue. While the
-    last newcomers are still reading their prompts (in chunks of ``max_prefill_tokens``), no
-    one else joins. ``runner``: how the model runs a pass (``runner.Runner``)."""
+    caching and chunked prefill. A request is admitted when the pool can hold its worst case
+    (prompt plus every new token it may get); while the last newcomers are still reading their
+    prompts (in chunks of ``max_prefill_tokens``), no one else joins."""
 
     name = "paged"
 
@@ -151,9 +147,7 @@ class PagedKV:
             self.batch = filter_paged_batch(self.cache, self.batch)
 
     def forward(self, batch: PagedBatch, adapters, choose) -> None:
-        """Lesson 08's ``paged_next_token``, its model pass run by the runner (lesson 10's
-        compiled step or a CUDA graph) where no row uses an adapter; lesson 08's own pass,
-        each row with its adapter, where one does."""
+        """Lesson 08's ``paged_next_token``, its model pass the runner's."""
         lora = adapters[0] if adapters is not None else None
         forward = self.runner.pick(batch, lora)
         # EOS is the engine's to handle (per row: ignore_eos, grammars), not the helper's.
@@ -161,10 +155,7 @@ class PagedKV:
                          self.max_prefill_tokens, lora, choose=choose, forward=forward)
 
     def drop(self, request_ids) -> None:
-        for row, rid in enumerate(self.batch.request_ids):
-            if rid in request_ids:
-                self.batch.done[row] = True
-        self.batch = filter_paged_batch(self.cache, self.batch)
+        self.batch = filter_paged_batch(self.cache, _done(self.batch, request_ids))
 
     def clear(self) -> None:
         for rid in list(self.cache.manager.tables):     # every block back to the pool
@@ -186,27 +177,221 @@ class PagedKV:
 
 
 def make_kv(kind: str, model, tokenizer, pad_id: int, *, max_batch_size: int,
-            max_total_tokens: int, lora=None, block_size: int = 16, prefix_caching: bool = True,
-            max_prefill_tokens: int | None = 512, num_blocks: int | None = None,
-            compile="off", cuda_graphs="off", graph_sizes=CAPTURE_SIZES, capture=None):
-    """The layout ``kind`` names ("paged" or "contiguous"), with its runner (compiled and
-    captured here, at start-up: see ``runner.Runner``)."""
+            max_total_tokens: int, lora=None, **layout):
+    """The layout ``kind`` names ("paged" or "contiguous"). The paged one's options
+    (``layout``): block_size (16), prefix_caching (True), max_prefill_tokens (512),
+    num_blocks (as many as ``POOL_BYTES`` holds), and its ``Runner``'s: compile, cuda_graphs,
+    graph_sizes and capture, judged already (``options.check``)."""
     if kind == "contiguous":
+        if layout:
+            raise ValueError(f"{', '.join(layout)}: options of the paged KV layout, not of "
+                             f"kv_cache='contiguous'")
         return ContiguousKV(model, tokenizer, pad_id)
-    from .runner import Runner
-
-    if num_blocks is None:
-        num_blocks = default_pool_blocks(model, block_size, max_batch_size, max_total_tokens)
+    block_size = layout.pop("block_size", 16)
+    max_prefill_tokens = layout.pop("max_prefill_tokens", 512)
+    num_blocks = layout.pop("num_blocks", None)
     one_request = math.ceil(max_total_tokens / block_size)
+    if num_blocks is None:    # room for max_batch_size requests, within POOL_BYTES (or one)
+        layers, kv_heads, head_dim = kv_shape(model.config)
+        block_bytes = 2 * layers * kv_heads * head_dim * block_size * model.dtype.itemsize
+        num_blocks = max(one_request, min(max_batch_size * one_request, POOL_BYTES // block_bytes))
     if num_blocks < one_request:         # such a request would wait for blocks forever
         raise ValueError(
             f"num_blocks={num_blocks} blocks of {block_size} tokens cannot hold one request "
             f"of max_total_tokens={max_total_tokens}: give at least {one_request} "
             f"blocks, or a smaller max_total_tokens")
-    check_prefill_budget(max_prefill_tokens)
     # One spare block, which no request owns: the runner's padding reads and writes it.
-    cache = PagedKVCache(model, num_blocks, block_size, prefix_caching, spare_blocks=1)
-    runner = Runner(model, cache, num_blocks, pad_id, lora, compile=compile,
-                    cuda_graphs=cuda_graphs, graph_sizes=graph_sizes, capture=capture,
-                    max_batch_size=max_batch_size, max_total_tokens=max_total_tokens)
+    cache = PagedKVCache(model, num_blocks, block_size, layout.pop("prefix_caching", True),
+                         spare_blocks=1)
+    runner = Runner(model, cache, num_blocks, pad_id, lora, max_total_tokens=max_total_tokens,
+                    **layout)
     return PagedKV(model, tokenizer, runner, cache=cache, max_prefill_tokens=max_prefill_tokens)
+
+
+# --- how the paged layout runs a pass (lesson 10) ------------------------------------------
+
+#: The three kinds of step, each compiled at start-up: (what it is, starts, counts). Sizes that
+#: differ from one another (T, R, Q, L), so that torch does not take two of them for one (it
+#: would guard on their being equal).
+WARM_UP = (("the decode step of one row", [2], [1]),
+           ("every decode step of two rows or more", [4, 0, 0], [1, 1, 1]),
+           ("every step that reads prompts", [2, 0], [3, 1]))
+
+
+class PackedStep:
+    """The paged layout's model pass with the new tokens of every row packed into one
+    sequence, compiled once and reused, or eager. (Lessons 08, 10.) ``scratch_block``: a block
+    of ``pool`` the block manager never hands out, where padding entries read and write.
+    ``warm_up()`` compiles; calling it is the ``forward`` of lesson 08's ``paged_next_token``.
+    """
+
+    def __init__(self, model, pool: KVPool, scratch_block: int, pad_id: int,
+                 compile: bool = True):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(COMPILED_ATTENTION, packed_paged_attention)
+        self.model, self.pool, self.pad_id = model, pool, pad_id
+        self.scratch = scratch_block * pool.block_size    # the scratch block's first entry
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.compiled = compile
+        self.sealed = False          # after start-up: a step that needs a new graph runs eager
+        self.eager_instead = 0       # steps that did (each would have been a compile)
+        self._forward = self._run_model
+        if compile:
+            self._forward = torch.compile(self._run_model, backend=self._counting_backend)
+
+    def _counting_backend(self, graph_module, example_inputs):
+        """torch.compile's backend: inductor, with each graph it compiles counted and timed."""
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        start = time.perf_counter()
+        compiled = compile_fx(graph_module, example_inputs)
+        self.compile_seconds += time.perf_counter() - start
+        return compiled
+
+    def warm_up(self) -> None:
+        """Compile the three kinds of step (``WARM_UP``), each in a start-up line. Only the
+        scratch block is read and written: no request's keys or values are touched."""
+        start = time.perf_counter()
+        block = self.scratch // self.pool.block_size
+        with torch.inference_mode():
+            for number, (what, starts, counts) in enumerate(WARM_UP, 1):
+                began = time.perf_counter()
+                startup.report("compiling graph %d of %d (%s)", number, len(WARM_UP), what)
+                self._run(starts, counts, [[block]] * len(counts), [self.pad_id] * sum(counts))
+                startup.report("graph %d of %d compiled in %.1f s", number, len(WARM_UP),
+                               time.perf_counter() - began)
+        startup.report("compiled the model's step in %.1f s (%d graphs; --compile off skips "
+                       "it)", time.perf_counter() - start, self.compiles)
+
+    def __call__(self, batch: PagedBatch, rows: list[int], starts: list[int],
+                 counts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Lesson 08's model pass (``paged_next_token``'s ``forward``): row ``rows[i]`` feeds
+        ``counts[i]`` tokens from position ``starts[i]`` on, its blocks being ``tables[i]``.
+        Returns each row's last-token logits, (R, 1, vocab)."""
+        ids = [token for row, start, new in zip(rows, starts, counts)
+               for token in batch.sequence(row)[start:start + new]]
+        starts, counts, tables = list(starts), list(counts), list(tables)
+        if len(rows) == 1 and counts[0] > 1:
+            # One row reading a prompt gets a second row, one token on the scratch block (its
+            # output dropped): torch compiles a size of 1 apart, and a token is cheaper than
+            # a graph. (The decode step of one row, the most frequent, has its own graph.)
+            starts.append(0)
+            counts.append(1)
+            tables.append([self.scratch // self.pool.block_size])
+            ids.append(self.pad_id)
+        return self._run(starts, counts, tables, ids)[:len(rows)]
+
+    def _run(self, starts: list[int], counts: list[int], tables: list[list[int]],
+             ids: list[int]) -> torch.Tensor:
+        """The model on one step's new tokens (``ids``: all of them, row after row)."""
+        device = self.model.device
+        paged = PackedInputs.build(self.pool, self.scratch, tables, starts, counts, device)
+        logits = self._call(torch.tensor([ids], device=device), paged)
+        return logits[0][:, None]
+
+    def _call(self, ids, paged: PackedInputs):
+        """The model on one step's tensors (each contiguous: a compiled graph guards strides
+        too), with the sizes that vary (T, R, Q and L) marked dynamic for the compiler; a
+        size of 1 stays static (torch would specialize it anyway)."""
+        dims = [(ids, 1), (paged.positions, 1), (paged.write_indices, 0),      # T
+                (paged.output_indices, 0), (paged.last, 0), (paged.read_indices, 0),  # T, R
+                (paged.query_indices, 0), (paged.mask, 0),                            # R
+                (paged.query_indices, 1), (paged.mask, 2),                            # Q
+                (paged.read_indices, 1), (paged.mask, 3)]                             # L
+        for tensor, dim in dims:
+            if tensor.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(tensor, dim)
+        config = self.model.config        # the attention function the model's layers call
+        previous, config._attn_implementation = config._attn_implementation, COMPILED_ATTENTION
+        try:
+            if not (self.sealed and self.compiled):
+                return self._forward(ids, paged)
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._forward(ids, paged)
+            except RuntimeError as err:
+                if "fail_on_recompile" not in str(err):
+                    raise
+                if not self.eager_instead:
+                    log.warning("a step needed a graph that start-up did not compile; it ran "
+                                "eager instead (so do any such steps from now on): %s",
+                                str(err).splitlines()[0])
+                self.eager_instead += 1
+                return self._run_model(ids, paged)
+        finally:
+            config._attn_implementation = previous
+
+    def _run_model(self, ids, paged: PackedInputs):
+        return self.model(input_ids=ids, position_ids=paged.positions, use_cache=False,
+                          logits_to_keep=paged.last, paged=paged).logits
+
+
+class Runner:
+    """The model pass of the paged step, eager, compiled or replayed. (Lessons 08 and 10.)
+    ``compile`` and ``cuda_graphs`` as the server's options say ("auto": where it works, with
+    a warning where it fails); ``capture``: how a step is recorded (default: lesson 10's
+    ``record``; the tests give ``rerun_each_replay`` to run the graphs on a CPU)."""
+
+    def __init__(self, model, cache, scratch_block: int, pad_id: int, lora=None, *,
+                 graph_sizes, compile="off", cuda_graphs="off", capture=None,
+                 max_total_tokens: int):
+        graphs_wanted = cuda_graphs == "on" or (cuda_graphs == "auto"
+                                                and model.device.type == "cuda")
+        self.packed = PackedStep(model, cache.pool, scratch_block, pad_id, compile != "off")
+        if (compile != "off" or graphs_wanted) and lora is not None:
+            # Every layer an adapter could touch is wrapped first, so that loading an adapter
+            # later never changes the model the graphs were traced or captured from.
+            lora.wrap_all()
+        if compile != "off":
+            try:
+                self.packed.warm_up()
+            except Exception as err:
+                if compile == "on":
+                    first = (str(err).strip().splitlines() or [""])[0]
+                    raise RuntimeError(f"compiling the step failed ({type(err).__name__}: "
+                                       f"{first}); --compile auto would serve it eager") from err
+                log.warning("compiling failed (%s: %s): running the model's step eager from "
+                            "now on", type(err).__name__, err)
+                self.packed.compiled, self.packed._forward = False, self.packed._run_model
+        self.graphs = None
+        if graphs_wanted:
+            self.graphs = GraphedDecode(self.packed, max_total_tokens, graph_sizes, capture)
+            try:
+                self.graphs.capture_all()
+            except Exception as err:
+                if cuda_graphs == "on":
+                    raise
+                log.warning("capturing CUDA graphs failed (%s: %s): decode steps run without "
+                            "them", type(err).__name__, err)
+                self.graphs = None
+        # Start-up is over: a step that would need a new graph runs eager (and is counted),
+        # rather than freeze every stream for the seconds a compile takes.
+        self.packed.sealed = True
+        self.steps_compiled = 0
+
+    def pick(self, batch, lora):
+        """The model pass for this batch: a graph's replay, the packed step (compiled or
+        eager), or None for lesson 08's own pass where a row uses an adapter."""
+        replays = self.graphs is not None and self.graphs.replays_for(batch)
+        if any(batch.adapters):
+            return None
+        if lora is not None:                 # no row uses an adapter: none may be left set
+            lora.set_rows(None)
+        if replays:
+            return self.graphs
+        self.steps_compiled += self.packed.compiled
+        return self.packed
+
+    def snapshot(self) -> dict:
+        packed = self.packed
+        graphs = self.graphs.snapshot() if self.graphs is not None else {}
+        return {"compiles": packed.compiles, "compile_seconds": packed.compile_seconds,
+                "steps_eager_instead": packed.eager_instead,
+                "steps_compiled": self.steps_compiled, **graphs}
+
+    def info(self) -> dict:
+        return {"compiled": self.packed.compiled,
+                "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else []}

@@ -1,8 +1,9 @@
-"""The server's options, declared once. (Lesson 07.)
+"""The server's options, declared once and judged in one place. (Lesson 07.)
 
 Each option is one row of ``OPTIONS`` (name, type, default, help); from it come the command's
 flags (``max_batch_size`` becomes ``--max-batch-size``), ``serve_in_background``'s keyword
 arguments (turned back into flags by ``command_line``) and ``Engine``'s defaults (``DEFAULTS``).
+``check`` is the only place a setting is judged, whoever gives it.
 """
 
 from __future__ import annotations
@@ -101,32 +102,137 @@ def _help(option: Option) -> str:
     return f"{option.help} (default: {option.default})"
 
 
-def check(values: dict) -> None:
-    """``ValueError`` naming the first key of ``values`` that is not an option."""
+def check(values: dict, model=None, device=None) -> dict:
+    """The one place a server setting is judged, whoever gives it (the command line through
+    ``build_engine``, ``serve_in_background`` through ``command_line``, ``Engine(...)``):
+    ``ValueError`` naming the first setting that is wrong. ``values``: settings by name, a
+    missing one taking its default. With ``model``, its context bounds the limits and fills in
+    their defaults; ``device``: where the model is or will be (checked for CUDA graphs).
+    Returns every setting, judged: the limits filled in where ``model`` says, ``compile`` and
+    ``cuda_graphs`` as "auto", "on" or "off", ``cuda_graph_sizes`` a sorted tuple."""
     unknown = sorted(set(values) - set(_BY_NAME))
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not a server option; the options are: "
                          f"{', '.join(_BY_NAME)}")
+    s = {**DEFAULTS, **{name: value for name, value in values.items() if value is not None}}
+    for name in ("compile", "cuda_graphs"):          # True and False stand for on and off
+        s[name] = {True: "on", False: "off"}.get(s[name], s[name])
+    for option in OPTIONS:
+        value = s[option.name]
+        if value is None:
+            continue
+        if option.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{option.name} must be an integer, got {value!r}")
+        if option.choices and value not in option.choices:
+            raise ValueError(f"{option.name} must be one of {', '.join(option.choices)}, got "
+                             f"{value!r}")
+    if model is not None:
+        from ..batching import model_context
+
+        context = model_context(model)
+        if s["max_total_tokens"] is None:
+            s["max_total_tokens"] = context or 2048
+        if context is not None and s["max_total_tokens"] > context:
+            raise ValueError(f"max_total_tokens={s['max_total_tokens']} is beyond the model's "
+                             f"context of {context} tokens")
+        if s["max_input_tokens"] is None:
+            s["max_input_tokens"] = max(1, s["max_total_tokens"] // 2)
+    for name in ("max_batch_size", "max_queue", "max_input_tokens", "max_total_tokens",
+                 "default_max_new_tokens"):
+        if s[name] is not None and s[name] < 1:
+            raise ValueError(f"{name} must be a positive integer, got {s[name]!r}")
+    if None not in (s["max_input_tokens"], s["max_total_tokens"]) and \
+            not s["max_input_tokens"] < s["max_total_tokens"]:
+        raise ValueError(f"max_input_tokens ({s['max_input_tokens']}) must be smaller than "
+                         f"max_total_tokens ({s['max_total_tokens']})")
+    if s["threads"] is not None:
+        torch_threads(s["threads"], "cpu")
+    for name, needs in (("compile", "the compiled step runs on lesson 08's pool of KV blocks, "
+                         "whose shape never changes"),
+                        ("cuda_graphs", "a graph replays on lesson 08's pool of KV blocks, "
+                         "whose address never changes")):
+        if s[name] == "on" and s["kv_cache"] != "paged":
+            raise ValueError(f"--{name.replace('_', '-')} on needs --kv-cache paged: {needs}")
+    s["cuda_graph_sizes"] = _sizes(s["cuda_graph_sizes"], s["max_batch_size"])
+    if s["cuda_graphs"] == "on" and device is not None and getattr(device, "type",
+                                                                   device) != "cuda":
+        raise ValueError(f"--cuda-graphs on needs a CUDA device; the model is on {device}: "
+                         f"use --cuda-graphs auto (on with CUDA, off elsewhere)")
+    return s
+
+
+def _sizes(value, max_batch_size: int) -> tuple[int, ...]:
+    """The capture sizes (``"1,2,4"`` or a list of ints) that can occur, sorted."""
+    pieces = value.split(",") if isinstance(value, str) else list(value)
+    sizes = []
+    for piece in pieces:
+        text = str(piece).strip()
+        if isinstance(piece, bool) or not (text.isascii() and text.isdigit() and int(text) > 0):
+            raise ValueError(f"--cuda-graph-sizes takes positive whole numbers separated by "
+                             f"commas (e.g. 1,2,4,8); {piece!r} is not one")
+        sizes.append(int(text))
+    usable = tuple(sorted({size for size in sizes if size <= max_batch_size}))
+    if not usable:
+        raise ValueError(f"no capture size in {tuple(sizes)} is at most the largest batch, "
+                         f"{max_batch_size} (--max-batch-size)")
+    return usable
+
+
+def torch_threads(requested: int | None, device) -> int:
+    """The torch threads to use: ``requested`` if given; on the CPU every core but one (at
+    least one), because the HTTP side and often the clients run on this machine too: a model
+    step that takes every core makes each of them wait. One on a GPU: there the CPU only builds
+    each step's small index tensors and launches kernels, and waking a pool of threads for them
+    costs more than it saves (on an H200 with 16 cores, the inputs of a 64-row step took 8 ms
+    on torch's default 16 threads, 0.3 ms on one)."""
+    cores = os.cpu_count() or 1
+    if requested is not None:
+        if not 1 <= requested <= cores:
+            raise ValueError(f"--threads {requested}: must be between 1 and this machine's "
+                             f"{cores} cores")
+        return requested
+    return max(1, cores - 1) if str(device).startswith("cpu") else 1
+
+
+def device(name):
+    """The device ``--device`` names (None: CUDA when there is one), judged before anything
+    loads: ``ValueError`` for a name torch does not know, a device this machine lacks or one
+    that holds no data (meta). Imports torch: the engine's process calls it."""
+    import torch
+
+    from ..models import default_device
+
+    if name is None:
+        return default_device()
+    try:
+        found = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:1, "
+                         f"mps, ...)") from None
+    if found.type == "meta":
+        raise ValueError(f"--device {name}: a meta tensor has a shape and no values, so a "
+                         f"model there cannot generate; use cpu or cuda")
+    backend = torch.backends.mps if found.type == "mps" else getattr(torch, found.type, None)
+    count = getattr(backend, "device_count", lambda: 1)
+    if found.type != "cpu" and not (getattr(backend, "is_available", lambda: False)()
+                                    and (found.index or 0) < count()):
+        raise ValueError(f"--device {name}: this machine's torch ({torch.__version__}) has no "
+                         f"such device; leave --device out to use {default_device().type}")
+    return found
 
 
 def command_line(values: dict) -> list[str]:
-    """The flags that give the server ``values`` (``{name: value}``; None: the default).
-    ``ValueError`` for a name that is not an option, or a value its option does not take."""
+    """The flags that give the server ``values`` (``{name: value}``; None: the default),
+    judged first (``check``)."""
     check(values)
     flags = []
     for name, value in values.items():
         if value is None:
             continue
-        option = _BY_NAME[name]
-        if option.type is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        if option.type is str and isinstance(value, (list, tuple)):   # cuda_graph_sizes=[1, 2]
+        if isinstance(value, (list, tuple)):                     # cuda_graph_sizes=[1, 2]
             value = ",".join(str(v) for v in value)
-        elif option.type is str:
-            value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
-        if option.choices and value not in option.choices:
-            raise ValueError(f"{name} must be one of {', '.join(option.choices)}; got {value!r}")
-        flags += [option.flag, str(value)]
+        flags += [_BY_NAME[name].flag, str(os.fspath(value) if isinstance(value, os.PathLike)
+                                             else value)]
     return flags
 
 

@@ -1,36 +1,39 @@
-"""Choosing each row's next token: the rules a request may set. (Lesson 07.)
+"""Each row's next token by the rules its request sets, and the sequence that keeps them.
+(Lesson 07.)
 
-The engine runs lesson 03's ``generate_next_token`` with a chooser instead of the greedy
-``argmax``. For every row the chooser starts from the model's logits for the next token and
+The engine runs lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``) with
+``TokenChooser`` instead of the greedy ``argmax``. For every row it starts from the model's
+logits and
 
-1. adjusts them: the penalties for repeating (``repetition_penalty``,
-   ``frequency_presence_penalty``), the request's ``logit_bias``, and its grammar's mask (tokens
-   the grammar forbids get -inf, ``helpers.server.grammar``);
-2. picks a token: the likeliest one (``greedy``), or a draw (``sample``) from the distribution
-   reshaped by temperature, top-k, top-p and typical-p, with the request's own seeded
-   ``torch.Generator`` (the same seed gives the same answer, whatever else runs beside it);
-3. reports the token's log probability and, if asked, the likeliest alternatives
-   (``top_alternatives``).
+1. adjusts them: the penalties for repeating, the request's ``logit_bias``, its grammar's mask
+   (forbidden tokens get -inf, ``grammar.py``);
+2. picks a token: the likeliest (``greedy``), or a draw (``sample``) reshaped by temperature,
+   top-k, top-p, typical-p and min-p, with the request's own seeded ``torch.Generator`` (the
+   same seed gives the same answer, whatever else runs beside it);
+3. reports its log probability and, if asked, the likeliest alternatives.
 
-Each function handles one row (a 1-D tensor of logits) and says in its docstring whose
-convention it follows. ``check_finite`` is how one broken row (NaN or +inf from extreme
-settings) is told apart, so that it fails alone.
-
-The engine calls ``TokenChooser`` after every forward pass: it applies each row's rules to
-its own row of logits (part 4 below) and sets ``request.choice`` (token, log probability,
-alternatives); ``Sequence.accept`` then turns the choice into the token's event. A row whose
-choice fails (NaN logits from extreme settings, a failing grammar) gets its ``error`` set and
-the padding token as its token: it fails alone, and the other rows of the batch carry on.
+A row whose choice fails (NaN logits from extreme settings, a failing grammar) gets its
+``error`` set and the padding token: it fails alone, the other rows carry on. ``Sequence``
+(part 5) holds one sequence's rules and state; its ``accept`` turns the choice into the
+token's event, with its text and whether it finished. A new sampling rule is a field of
+``GenerationParams`` (``contract.py``) and a filter here, called from ``sample``.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import traceback
 from collections import Counter
 
 import torch
 
-from .contract import PromptEvent
-from .errors import GenerationFailed
+from .admission import Admitted
+from .contract import ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, TokenEvent
+from .errors import EngineError, GenerationFailed
+from .tokens import IncrementalDecoder
+
+log = logging.getLogger("helpers.server")
 
 
 # --- 1. adjusting the logits -----------------------------------------------------------------
@@ -193,22 +196,16 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits, outgoing)``: each row's next token by its own rules, the list
-    given back to lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``)
-    as its ``choose``. (Lesson 07.)
-
-    rows:     the sequences, one per row of ``logits``
-    logits:   (rows, positions, vocab); the last position is the one to choose from
-    outgoing: where ``score_prompt`` puts the prompt events (the token events come from
-              ``Sequence.accept``)
-    """
+    """``chooser(rows, logits)``: each row's next token by its own rules (``rows``: the
+    sequences, one per row of the (rows, positions, vocab) ``logits``, whose last position is
+    the one to choose from), as lesson 03's and lesson 08's ``choose``. (Lesson 07.)"""
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
         self.tokenizer = tokenizer
         self.eos_id = eos_id
         self.pad_id = pad_id
 
-    def __call__(self, rows: list, logits: torch.Tensor, outgoing: list) -> list[int]:
+    def __call__(self, rows: list, logits: torch.Tensor) -> list[int]:
         last = logits[:, -1, :].float()
         if any(row.adjusts_logits for row in rows):
             last = last.clone()
@@ -265,3 +262,122 @@ class TokenChooser:
             alternatives = top_alternatives(logprobs, row.params.alternatives,
                                                      self.tokenizer)
         row.choice = (token, logprob, alternatives)
+
+
+# --- 5. one sequence ----------------------------------------------------------------------
+
+class Sequence:
+    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``), from
+    the queue to its last token: its rules, its tokens, its text; ``accept`` alone decides
+    when it is finished."""
+
+    def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
+                 params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
+        self.id = number                    # the engine's number for it (its batch row's id)
+        self.handle = handle                # the submission it belongs to
+        self.sequence = sequence            # which of the submission's sequences it is
+        self.params = params
+        self.prompt_ids = admitted.input_ids
+        self.max_new_tokens = admitted.max_new_tokens
+        self.adapter = admitted.adapter
+        self.seed = seed
+        self.submitted = time.perf_counter()
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.generator = None
+        if params.sampling:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(seed)
+        self.error: BaseException | None = None      # set if this row failed (alone)
+        self.matcher = None
+        if admitted.grammar is not None:
+            try:
+                self.matcher = admitted.grammar.matcher()
+            except Exception as err:
+                self.error = err
+        self.penalty = (params.repetition_penalty
+                        if params.repetition_penalty not in (None, 1.0) else None)
+        # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
+        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not with a grammar, where
+        # EOS is only allowed once the answer is complete.
+        self.ignore_eos = params.ignore_eos_token and self.matcher is None
+        self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
+        self.counts: Counter = Counter()   # how often each of them was generated
+        self.count = 0                 # generated tokens, EOS included
+        self.text = ""                 # text handed out so far
+        self.decoder = None            # its IncrementalDecoder (tokens.py), from the first token
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+        self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
+        self.finished = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled
+
+    @property
+    def adjusts_logits(self) -> bool:
+        params = self.params
+        return (self.penalty is not None or self.matcher is not None or bool(params.logit_bias)
+                or bool(params.frequency_penalty) or bool(params.presence_penalty))
+
+    def accept(self, token: int | None, logprob: float | None, alternatives,
+               special_ids: set, eos_text: str) -> TokenEvent:
+        """Add this step's token: its text, its event, and whether the request is finished."""
+        if self.max_new_tokens == 0:
+            self.finished = True
+            return TokenEvent(None, self._finish("length", None))
+        self.count += 1
+        reason, stop_at = None, None
+        if token == self.eos_id and not self.ignore_eos:
+            piece, special, reason = eos_text, True, "eos_token"
+        else:
+            self.ids.append(token)
+            self.counts[token] += 1
+            if self.matcher is not None:
+                self.matcher.advance(token)
+            special = token in special_ids
+            piece, stop_at = self._add_text()
+            if stop_at is not None:
+                reason = "stop_sequence"
+        if reason is None and self.count >= self.max_new_tokens:
+            reason = "length"
+        out = {"id": int(token), "text": piece, "logprob": finite(logprob),
+               "special": special}
+        if alternatives is not None:
+            out["alternative_tokens"] = alternatives
+        self.finished = reason is not None
+        return TokenEvent(out, self._finish(reason, stop_at) if self.finished else None)
+
+    def fail(self) -> ErrorEvent:
+        """The event of a request that failed alone (``error`` is set)."""
+        self.finished = True
+        err = self.error
+        log.warning("request %s failed alone: %s", self.id,
+                    "".join(traceback.format_exception(err)).strip())
+        if isinstance(err, EngineError):
+            return ErrorEvent(f"generation failed: {err.message}")
+        return ErrorEvent("generation failed while choosing the next token; the server's log "
+                          "has the details")
+
+    def _add_text(self) -> tuple[str, int | None]:
+        """The new piece of text, and where a stop sequence starts in the text (None if none
+        matched), decoding only the last few tokens (``tokens.IncrementalDecoder``)."""
+        if self.decoder is None:
+            self.decoder = IncrementalDecoder(self.tokenizer)
+        piece = self.decoder.add(self.ids[-1])
+        if self.count >= self.max_new_tokens:
+            piece += self.decoder.flush()
+        stop_at = None
+        stops = self.params.stop
+        if stops and piece:
+            start = max(0, len(self.text) - self.longest_stop + 1)
+            text = self.text + piece
+            found = [pos for pos in (text.find(s, start) for s in stops) if pos >= 0]
+            stop_at = min(found) if found else None
+        self.text += piece
+        return piece, stop_at
+
+    def _finish(self, reason: str, stop_at: int | None) -> Finish:
+        return Finish(reason, self.tokenizer.decode(self.ids), self.count,
+                      len(self.prompt_ids), self.seed, stop_at,
+                      time.perf_counter() - self.submitted)

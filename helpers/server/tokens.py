@@ -1,35 +1,22 @@
-"""Tokenizing what clients send so that their text never becomes a special token. (Lesson 07.)
+"""Tokenizing what clients send so that their text never becomes a special token, and tokens
+back to text as they come. (Lesson 07.)
 
 A tokenizer recognises the text of its special tokens anywhere: ``tokenizer("a<|endoftext|>b")``
-gives the end-of-text token's id, not the ids of ``<``, ``|``, ``endoftext``... A client who
-types ``<|endoftext|>`` (or ``<|im_start|>system``) in a prompt or a chat message would then
-end the text, or forge a turn of the conversation, with tokens only the server should write.
-The rule here: text from a client is always tokenized as text; the special tokens a chat
-template writes (its markers, the end of a turn) are still special tokens.
+gives the end-of-text token's id. A client who types ``<|endoftext|>`` (or ``<|im_start|>``)
+in a prompt would then end the text, or forge a turn of the conversation, with tokens only
+the server should write. The rule here: text from a client is always tokenized as text; the
+special tokens a chat template writes are still special tokens. The Rust tokenizer can read
+special tokens' text as plain text (``encode_special_tokens``); transformers' own switch
+(``split_special_tokens=True``) sets it on the tokenizer's *shared* Rust object at every
+call, which two threads change under each other. So this module keeps private copies of the
+Rust tokenizer, each set once and then only read: threads need no lock.
 
-The Rust tokenizer (``tokenizers`` >= 0.15) can read special tokens' text as plain text: its
-``encode_special_tokens`` property. transformers exposes it as ``split_special_tokens=True``,
-but does it by setting that property on the tokenizer's *shared* Rust object at every call:
-two threads, one with and one without, change it under each other (with transformers 5 a call
-then gets the other's setting, with transformers 4.57 it raises "Already borrowed"). So this
-module keeps private copies of the Rust tokenizer, each set once and then only read, as
-each used for one purpose: threads need no lock (``admission.py`` keeps one for prompts).
-
-The way out, **tokens to text as they come** (``IncrementalDecoder``): answer. (Lesson 07.)
-
-A streaming server hands out each token's text as soon as it has it. The simple way is to
-decode the whole answer after every token and hand out what is new: correct, but each token
-then costs a decode of everything before it, so an answer of n tokens costs n²/2 token
-decodes (on the bundled tokenizer 24 µs per token at 64 tokens, 83 µs at 256, and more the
-longer the answer). Decoding the last token alone is not correct: a token's text may depend
-on its neighbours (a character whose bytes are split over two tokens, or a tokenizer that
-drops the space at the start of a text).
-
-``IncrementalDecoder`` decodes a small window instead, as TGI and vLLM do: the tokens since
-the last piece of text it handed out, plus the few tokens before them as context. What the
-window decodes to, minus what its context alone decodes to, is the new text. While the window
-ends inside a character (the text ends with U+FFFD, the replacement character), nothing is
-handed out; the character comes out whole with the token that completes it.
+The way out (``IncrementalDecoder``): decoding the whole answer after every token costs n²/2
+token decodes for n tokens, and decoding the last token alone is wrong (a character's bytes
+may be split over two tokens). The decoder decodes a small window instead, as TGI and vLLM
+do: the tokens since the last piece it handed out, plus the few before them as context; what
+the window decodes to, minus what its context alone decodes to, is the new text. While the
+window ends inside a character (U+FFFD), nothing is handed out.
 """
 
 from __future__ import annotations
@@ -81,29 +68,16 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """The token ids of ``messages`` written with the tokenizer's chat template: the template's
-    own text is tokenized as usual (its special tokens are special tokens), each message's
-    ``content`` as client text (``encode_text``). InvalidRequest as ``render_chat`` raises it.
+    own text tokenized as usual, each message's ``content`` as client text (``encode_text``).
 
     How: the template is applied twice, to the messages and to copies whose contents are
-    replaced by random markers. The second text is cut at the markers: the pieces between are
-    the template's own text, and the first text must be those pieces with the contents put
-    back (as they are, or stripped, as ``| trim`` does); each piece is tokenized on its own.
-    A template that changes contents otherwise (or writes something else when it sees a marker)
-    gets the whole text tokenized as before, accepted only if the special tokens in it are
-    exactly the template's own: else InvalidRequest, since they cannot be kept apart.
-
-    As in ``render_chat``, a template that writes the BOS token itself loses it when the
-    tokenizer adds one, so that the prompt does not start with two.
-
-    Tokenizing pieces apart can differ from tokenizing the text at once where BPE would merge
-    across a junction: a content that ends in a space before text (``"Jill "`` + ``"went"``
-    gives ``" "``, ``"went"``, not ``" went"``), a word cut between two messages. The text is
-    the same, only its cut into tokens differs, as it does around every special token (the
-    tokenizer splits the text at special tokens before BPE); transformers' own
-    ``apply_chat_template(..., sanitize_control_tokens=True)`` (in 5.23, not in 4.57)
-    tokenizes a chat's pieces apart the same way. Templates mostly put markers around
-    contents, and with the bundled model's (none) ordinary chats tokenize as before.
-    """
+    random markers. The second text, cut at the markers, gives the template's own pieces; the
+    first must be those pieces with the contents put back (as they are, or stripped, as
+    ``| trim`` does), and each piece is tokenized on its own (as transformers 5.23's
+    ``sanitize_control_tokens=True`` does; BPE then never merges across a junction). A
+    template that changes contents otherwise gets the whole text tokenized at once, accepted
+    only if its special tokens are exactly the template's own. A template that writes the
+    BOS token itself loses it when the tokenizer adds one (as in ``render_chat``)."""
     contents = [message.get("content") for message in messages]
     if any(content is not None and not isinstance(content, str) for content in contents):
         raise InvalidRequest("a message's content must be text")
@@ -281,16 +255,7 @@ class IncrementalDecoder:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"a token must be a non-negative integer id, got {token!r}")
         self.ids.append(token)
-        known = self._decode(self.ids[self._context:self._done])
-        window = self._decode(self.ids[self._context:])
-        if window.endswith(REPLACEMENT) or len(window) <= len(known):
-            return ""       # an incomplete character (or nothing new yet): wait for more
-        # The context decodes to the same text with or without what follows it (for the
-        # tokenizers of this course): the new text is what comes after it.
-        piece = window[len(known):]
-        self._context, self._done = self._done, len(self.ids)
-        self.text += piece
-        return piece
+        return self._piece(final=False)
 
     @property
     def pending(self) -> int:
@@ -300,11 +265,16 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """The text held back, as it stands (an incomplete character stays U+FFFD, as a full
         decode shows it). Call it when the answer ends."""
-        if not self.pending:
-            return ""
+        return self._piece(final=True) if self.pending else ""
+
+    def _piece(self, final: bool) -> str:
         known = self._decode(self.ids[self._context:self._done])
         window = self._decode(self.ids[self._context:])
+        if not final and (window.endswith(REPLACEMENT) or len(window) <= len(known)):
+            return ""       # an incomplete character (or nothing new yet): wait for more
+        # The context decodes to the same text with or without what follows it (for the
+        # tokenizers of this course): the new text is what comes after it.
         piece = window[len(known):]
-        self._context = self._done = len(self.ids)
+        self._context, self._done = (len(self.ids) if final else self._done), len(self.ids)
         self.text += piece
         return piece
