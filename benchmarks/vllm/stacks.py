@@ -159,7 +159,6 @@ HTTP_RULES = [
     (None, "helpers/server/engine_process.py", OUR_CLIENT),
     (None, "helpers/server/contract.py", None),
     (None, "helpers/server/guards.py", OUR_HTTP),
-    (None, "helpers/server/metrics.py", OUR_HTTP),         # the counting middleware
     (None, "helpers/server/", OUR_ROUTES),
     *[(None, library, OUR_HTTP) for library in ("uvicorn/", "h11/", "httptools/",
                                                 "starlette/", "fastapi/", "anyio/")],

@@ -46,7 +46,7 @@ __version__ = "0.1.0"
 __all__ = ["ApiError", "BackgroundServer", "Engine", "GenerationParams", "Grammars",
            "create_app", "serve_in_background", "stop_all", "__version__"]
 
-_LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".protocol",
+_LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".guards",
          "GenerationParams": ".contract", "Grammars": ".grammar"}
 
 

@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import errors, guards, metrics, routes_lorax, routes_openai, serving
 from .contract import MAX_STOP_SEQUENCES, EngineClient
-from .protocol import MAX_BEST_OF, ApiError, describe_validation_errors, invalid
+from .guards import ApiError, invalid
+from .serving import MAX_BEST_OF, describe_validation_errors
 
 log = logging.getLogger("helpers.server")
 
@@ -83,7 +84,7 @@ def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
     app.include_router(routes_lorax.router)
     app.include_router(routes_openai.router)
     add_state_routes(app, engine)
-    app.add_middleware(metrics.CountResponses, metrics=app.state.metrics)
+    app.add_middleware(guards.CountResponses, responses=app.state.metrics.responses)
     app.add_middleware(guards.SendDeadline)       # drops a client that stops reading
     return app
 
@@ -125,7 +126,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request, err: Exception):
-        message, _ = guards.internal_error(request, err)     # logged; no internals sent
+        message = guards.internal_error(request, err)     # logged; no internals sent
         return error_response(message, "generation", 500, request)
 
 

@@ -1,12 +1,14 @@
-"""The server's door: what a request must look like before any work is spent on it. (Lesson 07.)
+"""The server's door: what a request must look like before any work is spent on it, and how
+each answer is counted. (Lesson 07.)
 
-Each guard is cheap and answers with an error that says what is wrong: a body's size limit
-enforced while it arrives (``read_body``), JSON only (``require_json``: a web page cannot make
-a browser post anything else cross-site without asking), strict JSON (``parse_json``), work
-cancelled when its client hangs up (``cancel_on_disconnect``), a 500 that names a request id and
-never the exception (``internal_error``), deadlines for clients that send their headers slowly or
-stop reading (``http_protocol``, ``SendDeadline``), no request framed twice (request smuggling)
-and, on a loopback server, no Host but this machine's (``LoopbackHosts``).
+Each guard is cheap and answers with an ``ApiError`` that says what is wrong: a body's size
+limit enforced while it arrives (``read_body``), JSON only (``require_json``: a web page cannot
+make a browser post anything else cross-site without asking), strict JSON (``parse_json``),
+work cancelled when its client hangs up (``cancel_on_disconnect``), a 500 that names a request
+id and never the exception (``internal_error``), deadlines for clients that send their headers
+slowly or stop reading (``http_protocol``, ``SendDeadline``), no request framed twice (request
+smuggling) and, on a loopback server, no Host but this machine's (``LoopbackHosts``).
+``CountResponses`` counts every answer by status for /metrics.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import logging
 import math
 import re
 import uuid
+from collections import Counter
 from itertools import accumulate
 from typing import Any, Awaitable, Callable, TypeVar
-
-from .protocol import ApiError, invalid
 
 log = logging.getLogger("helpers.server")
 
@@ -40,6 +41,25 @@ SEND_TIMEOUT_SECONDS = 60.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+class ApiError(Exception):
+    """An error answered as ``{"error": message, "error_type": error_type}`` with ``status``.
+
+    error_type is one of LoRAX's: "validation" (the request is wrong: 400, 404, 413, 422),
+    "overloaded" (429: the queue is full), "generation" (424/500: the server could not do it).
+    """
+
+    def __init__(self, status: int, message: str, error_type: str = "validation"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+
+
+def invalid(message: str, status: int = 422) -> ApiError:
+    """A validation error (422 unless told otherwise)."""
+    return ApiError(status, message, "validation")
+
+
 class RefusedBody(ApiError):
     """A body refused before it was read to the end: the answer closes the connection, as
     HTTP/1.1 cannot skip the rest of a body otherwise."""
@@ -51,14 +71,14 @@ class ClientGone(Exception):
     """The client hung up before its answer was ready (see ``cancel_on_disconnect``)."""
 
 
-def internal_error(request, err: BaseException) -> tuple[str, str]:
-    """Log an unexpected exception with a fresh request id; ``(message, request_id)`` for the
-    client, naming no exception, path or line."""
+def internal_error(request, err: BaseException) -> str:
+    """Log an unexpected exception with a fresh request id; the client's message names that id
+    and no exception, path or line."""
     request_id = uuid.uuid4().hex[:16]
     where = f"{request.method} {request.url.path}" if request is not None else "a request"
     log.error("internal error in %s (request id %s)", where, request_id,
               exc_info=(type(err), err, err.__traceback__))
-    return f"internal error, see the server log (request id {request_id})", request_id
+    return f"internal error, see the server log (request id {request_id})"
 
 
 def stream_failure(err: Exception, request=None) -> tuple[str, str]:
@@ -71,7 +91,7 @@ def stream_failure(err: Exception, request=None) -> tuple[str, str]:
         return err.message, err.error_type
     if isinstance(err, EngineError):
         return err.message, "generation"
-    return internal_error(request, err)[0], "generation"
+    return internal_error(request, err), "generation"
 
 
 def require_json(request) -> None:
@@ -121,6 +141,12 @@ async def read_body(request, limit: int = MAX_BODY_BYTES,
         return await asyncio.wait_for(collect(), timeout)
     except asyncio.TimeoutError:
         raise RefusedBody(408, f"the request body did not arrive within {timeout:g} s") from None
+
+
+async def read_json(request):
+    """The request's JSON body: ``require_json``, then ``read_body``, then ``parse_json``."""
+    require_json(request)
+    return parse_json(await read_body(request))
 
 
 class _NotJson(ValueError):
@@ -206,23 +232,19 @@ def parse_json(raw: bytes) -> Any:
     return data
 
 
-async def wait_for_disconnect(request) -> None:
-    """Returns when the client of ``request`` has hung up. Only once the body has been read:
-    after the body, the only ASGI message left to come is ``http.disconnect``."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def cancel_on_disconnect(request, work: Awaitable[T],
                                on_gone: Callable[[], None] | None = None) -> T:
     """Run ``work`` (a coroutine) until it finishes or the client hangs up, whichever is first.
     If the client goes, ``on_gone()`` is called, ``work`` is cancelled (its ``finally`` blocks
     cancel its engine requests: the rows leave the batch at the next step) and ``ClientGone``
-    is raised."""
+    is raised. (Once the body has been read, the only ASGI message left to come is
+    ``http.disconnect``.)"""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    gone = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -395,3 +417,23 @@ class LoopbackHosts:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+
+class CountResponses:
+    """ASGI middleware that counts the HTTP answers by status code into ``responses`` (only the
+    event loop writes it)."""
+
+    def __init__(self, app, responses: Counter):
+        self.app = app
+        self.responses = responses
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.responses[message["status"]] += 1
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)

@@ -4,15 +4,15 @@ format. (Lesson 07.)
 Each metric has a ``# HELP`` line, a ``# TYPE`` line (counter: only goes up; gauge: up and down;
 histogram: how many observations fell at or below each bucket edge ``le``) and its samples; from
 two scrapes a dashboard gets rates and latency percentiles. The histograms are the latencies
-clients saw (``serving.Run`` calls ``Metrics.observe_token`` for each token); the counters and
-gauges come from the engine's ``snapshot()``; ``CountResponses`` counts the answers by status.
+clients saw (``serving.Run`` observes each token); the counters and gauges come from the
+engine's ``snapshot()``; ``guards.CountResponses`` counts the answers by status.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import threading
+from collections import Counter
 
 import prometheus_client
 
@@ -130,20 +130,7 @@ class Metrics:
             PREFIX + "time_per_output_token_seconds",
             "Seconds between two consecutive generated tokens of one request.",
             buckets=TOKEN_BUCKETS, registry=self.histograms)
-        self._responses: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def observe_token(self, started: float, last: float | None, now: float) -> None:
-        """One token of a sequence reached the HTTP side at ``now``: the first (``last`` None)
-        is timed from ``started``, when the request was read, each later one from ``last``."""
-        if last is None:
-            self.ttft.observe(now - started)
-        else:
-            self.per_token.observe(now - last)
-
-    def count_response(self, status: int) -> None:
-        with self._lock:
-            self._responses[status] = self._responses.get(status, 0) + 1
+        self.responses: Counter = Counter()      # by status code (``guards.CountResponses``)
 
     def render(self, snapshot: dict | None, restarts: int = 0) -> str:
         """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
@@ -161,8 +148,7 @@ class Metrics:
             if key in LABELS:
                 value = {**dict.fromkeys(LABELS[key], 0), **value}
             lines += _family(key, kind, help, value)
-        with self._lock:
-            responses = dict(self._responses)
+        responses = dict(self.responses)
         lines += _family("responses", "counter", "HTTP answers by status code.", responses,
                          label="code")
         # 499 is not a refusal: it marks a client that hung up (see ``cancelled``).
@@ -175,22 +161,3 @@ class Metrics:
 
 #: The content type of Prometheus' text format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class CountResponses:
-    """ASGI middleware that counts the HTTP answers by status code into ``metrics``."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.count_response(message["status"])
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse
 
 from . import errors, guards
 from .contract import PromptEvent
-from .protocol import Call, adapter_of, parse_chat, parse_completion
-from .serving import Completion, Run, event_stream, pick, read_json, sse
+from .openai_bodies import adapter_of, parse_chat, parse_completion
+from .serving import Call, Completion, Run, event_stream, pick, sse
 
 router = APIRouter()
 
@@ -77,7 +77,7 @@ def top_of(token: dict) -> dict:
 
 async def start(request: Request, parser) -> tuple[Run, Call]:
     """Read the body with ``parser`` and start its run."""
-    call = parser(await read_json(request), request.app.state.engine.model_id)
+    call = parser(await guards.read_json(request), request.app.state.engine.model_id)
     try:
         return await Run.start(request.app.state, call), call
     except errors.EngineError as err:      # the adapter came in `model`: say that field
