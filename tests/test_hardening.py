@@ -20,6 +20,7 @@ import shutil
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -799,7 +800,7 @@ def test_histogram_and_page_render():
     first = time.perf_counter()
     page.ttft.observe(first - started)           # its first token, as serving.Run observes it
     page.per_token.observe(time.perf_counter() - first)          # its second
-    page.responses.update([200, 422, 429, 499])  # as guards.CountResponses counts; 499 is a
+    page.responses.update([200, 422, 429, 499])  # as guards.AnswerGuard counts; 499 is a
                                                  # hang-up, not a refusal
     families = parse_prometheus(page.render({"running": 3, "waiting": 1, "tokens": 2}))
     buckets, count = check_histogram(families["helpers_server_time_to_first_token_seconds"])
@@ -860,12 +861,13 @@ def test_a_client_that_stops_reading_is_dropped():
         if len(sent) > 2:
             await asyncio.sleep(3600)            # the client's buffers are full
 
-    middleware = guards.SendDeadline(app, timeout=0.1)
+    counted = Counter()
+    middleware = guards.AnswerGuard(app, counted, timeout=0.1)
     asyncio.run(asyncio.wait_for(middleware({"type": "http"}, None, send), 10))
-    assert len(sent) == 3
+    assert len(sent) == 3 and counted == {200: 1}
 
     async def failing(scope, receive, send):
         raise ValueError("a bug, not a slow client")
 
     with pytest.raises(ValueError):
-        asyncio.run(guards.SendDeadline(failing, timeout=0.1)({"type": "http"}, None, send))
+        asyncio.run(guards.AnswerGuard(failing, Counter(), 0.1)({"type": "http"}, None, send))

@@ -1,19 +1,13 @@
-"""The server's door: what a request must look like before any work is spent on it, and how
-each answer is counted. (Lesson 07.)
-
-Each guard is cheap and answers with an ``ApiError`` that says what is wrong: a body's size
-limit enforced while it arrives (``read_body``), JSON only (``require_json``: a web page cannot
-make a browser post anything else cross-site without asking), strict JSON (``parse_json``),
-work cancelled when its client hangs up (``cancel_on_disconnect``), a 500 that names a request
-id and never the exception (``internal_error``), deadlines for clients that send their headers
-slowly or stop reading (``http_protocol``, ``SendDeadline``), no request framed twice (request
-smuggling) and, on a loopback server, no Host but this machine's (``LoopbackHosts``).
-``CountResponses`` counts every answer by status for /metrics.
+"""The server's door: what a request must look like before any work is spent on it, each
+refusal an ``ApiError`` that says what is wrong; a client that hangs up, sends its headers
+slowly or stops reading is let go; every answer is counted by status (``AnswerGuard``).
+(Lesson 07.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -177,26 +171,6 @@ def json_depth(text: str) -> int:
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
 
 
-def _lone_surrogate(value: Any, path: str = "") -> str | None:
-    """Where the first string (or key) holding a lone UTF-16 surrogate is, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(the body)"
-        return None
-    items = enumerate(value) if isinstance(value, list) else (
-        value.items() if isinstance(value, dict) else ())
-    for key, item in items:
-        if isinstance(key, str) and _lone_surrogate(key):
-            return f"a key of {path or 'the body'}"      # (the key itself cannot be shown)
-        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int)
-                                else (f"{path}.{key}" if path else key))
-        if found:
-            return found
-    return None
-
-
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, strictly: UTF-8, no NaN/Infinity, no number too large for a float,
     no lone surrogate escape (no UTF-8 encoder can write it back), at most ``MAX_JSON_DEPTH``
@@ -219,16 +193,16 @@ def parse_json(raw: bytes) -> Any:
                       f"column {err.colno})", 400) from None
     except _NotJson as err:
         raise invalid(f"the request body is not valid JSON: {err}", 400) from None
-    except (ValueError, RecursionError) as err:   # e.g. an integer of more than 4300 digits
-        reason = ("it nests too deeply" if isinstance(err, RecursionError)
-                  else str(err).split(";")[0][:120])
-        raise invalid(f"the request body cannot be read as JSON: {reason}", 400) from None
+    except ValueError as err:               # e.g. an integer of more than 4300 digits
+        raise invalid(f"the request body cannot be read as JSON: "
+                      f"{str(err).split(';')[0][:120]}", 400) from None
     if _SURROGATE_ESCAPE.search(text):        # only then can a string hold a lone surrogate
-        where = _lone_surrogate(data)
-        if where:
-            where = where if where.startswith("a key") else f"`{where[:200]}`"
-            raise invalid(f"the request body's JSON string at {where} holds a lone UTF-16 "
-                          f"surrogate escape (such as \\ud800), which is not a character", 400)
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("the request body's JSON holds a lone UTF-16 surrogate escape (such "
+                          "as \\ud800) in a string or a key, which is not a character",
+                          400) from None
     return data
 
 
@@ -269,16 +243,12 @@ def _refusal(message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:
 
 
 def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
-    """uvicorn's h11 HTTP protocol, for ``uvicorn.Config(http=...)``, with two guards.
-
-    A connection whose request headers have not all come within ``header_timeout`` seconds is
-    closed: a client sending them a byte at a time (slowloris) would otherwise hold a
-    connection, and a slot of ``limit_concurrency``, for as long as it likes.
-
-    A request with both Transfer-Encoding and Content-Length is answered 400 and the
-    connection closed, its body unread (RFC 9112 section 6.1). h11 would frame it by the
-    chunked encoding and keep the connection open, so a proxy in front that goes by
-    Content-Length would pass on a second request hidden after the last chunk."""
+    """uvicorn's h11 HTTP protocol (for ``uvicorn.Config(http=...)``) with two guards: a
+    connection whose request headers have not all come within ``header_timeout`` seconds is
+    closed (a client sending them a byte at a time would hold it as long as it likes); a
+    request with both Transfer-Encoding and Content-Length is answered 400 and the connection
+    closed (RFC 9112 section 6.1: h11 would frame it by the chunks and keep the connection,
+    so a proxy that goes by Content-Length would pass on a request hidden after them)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -299,8 +269,8 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
             return event
 
         def _refuse_two_framings(self) -> None:
-            log.warning("refused a request with both Transfer-Encoding and Content-Length "
-                        "from %s", self.client)
+            log.warning("refused a request framed twice (Transfer-Encoding and Content-Length)"
+                        " from %s", self.client)
             body, headers = _refusal("a request may not carry both Transfer-Encoding and "
                                      "Content-Length (RFC 9112 section 6.1): send one")
             for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
@@ -345,13 +315,14 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
     return HeaderDeadlineProtocol
 
 
-class SendDeadline:
-    """ASGI middleware: a client that stops reading its answer is dropped once one write has
-    waited ``timeout`` seconds (uvicorn has no write timeout: the request's task and connection
-    would stay open for as long as the client likes)."""
+class AnswerGuard:
+    """ASGI middleware around every answer: it counts the answer by status code into
+    ``responses`` (for /metrics; only the event loop writes it), and drops a client that stops
+    reading once one write has waited ``timeout`` seconds (uvicorn has no write timeout)."""
 
-    def __init__(self, app, timeout: float = SEND_TIMEOUT_SECONDS):
+    def __init__(self, app, responses: Counter, timeout: float = SEND_TIMEOUT_SECONDS):
         self.app = app
+        self.responses = responses
         self.timeout = timeout
 
     async def __call__(self, scope, receive, send):
@@ -359,7 +330,9 @@ class SendDeadline:
             return await self.app(scope, receive, send)
         stalled = []
 
-        async def send_with_deadline(message):
+        async def guarded_send(message):
+            if message["type"] == "http.response.start":
+                self.responses[message["status"]] += 1
             try:
                 await asyncio.wait_for(send(message), self.timeout)
             except asyncio.TimeoutError:
@@ -367,7 +340,7 @@ class SendDeadline:
                 raise ClientGone() from None
 
         try:
-            await self.app(scope, receive, send_with_deadline)
+            await self.app(scope, receive, guarded_send)
         except BaseException:
             if not stalled:
                 raise
@@ -378,12 +351,8 @@ class SendDeadline:
 
 def is_loopback(host: str) -> bool:
     """True for an address that only this machine can reach (127.x.x.x, ::1, localhost)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
@@ -398,9 +367,8 @@ def _host_name(header: str) -> str:
 
 class LoopbackHosts:
     """ASGI middleware for a server that listens on this machine only: a request whose Host
-    is not a loopback name is refused (403). A page whose own name its author points at
-    127.0.0.1 once loaded (DNS rebinding) is the same site as the server to the browser, but
-    its requests still carry that name in Host."""
+    is not a loopback name is refused (403). A page whose name its author points at 127.0.0.1
+    once loaded (DNS rebinding) still sends that name in Host."""
 
     def __init__(self, app, names=LOOPBACK_NAMES):
         self.app = app
@@ -418,22 +386,3 @@ class LoopbackHosts:
                 return
         await self.app(scope, receive, send)
 
-
-class CountResponses:
-    """ASGI middleware that counts the HTTP answers by status code into ``responses`` (only the
-    event loop writes it)."""
-
-    def __init__(self, app, responses: Counter):
-        self.app = app
-        self.responses = responses
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.responses[message["status"]] += 1
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)

@@ -5,7 +5,7 @@ Each metric has a ``# HELP`` line, a ``# TYPE`` line (counter: only goes up; gau
 histogram: how many observations fell at or below each bucket edge ``le``) and its samples; from
 two scrapes a dashboard gets rates and latency percentiles. The histograms are the latencies
 clients saw (``serving.Run`` observes each token); the counters and gauges come from the
-engine's ``snapshot()``; ``guards.CountResponses`` counts the answers by status.
+engine's ``snapshot()``; ``guards.AnswerGuard`` counts the answers by status.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Metrics:
             PREFIX + "time_per_output_token_seconds",
             "Seconds between two consecutive generated tokens of one request.",
             buckets=TOKEN_BUCKETS, registry=self.histograms)
-        self.responses: Counter = Counter()      # by status code (``guards.CountResponses``)
+        self.responses: Counter = Counter()      # by status code (``guards.AnswerGuard``)
 
     def render(self, snapshot: dict | None, restarts: int = 0) -> str:
         """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine

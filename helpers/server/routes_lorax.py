@@ -199,17 +199,12 @@ async def stream(request: Request, call: Call) -> StreamingResponse:
     run = await Run.start(request.app.state, call)
 
     async def messages():
-        try:
-            async for sequence, event in run.events():
-                if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
-                    yield sse(stream_message(engine, sequence, event, call))
-        except Exception as err:          # failed after the stream started: say so in it
-            message, error_type = guards.stream_failure(err, request)   # (logs a bug)
-            yield sse({"error": message, "error_type": error_type})
-        finally:       # also when the client hung up between two events
-            run.close()
+        async for sequence, event in run.events():
+            if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
+                yield sse(stream_message(engine, sequence, event, call))
 
-    return event_stream(messages())
+    return event_stream(request, run, messages(),
+                        lambda message, error_type: {"error": message, "error_type": error_type})
 
 
 @router.post("/")

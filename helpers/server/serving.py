@@ -2,24 +2,20 @@
 request path: submit, collect or stream the engine's events, cancel what nobody waits for any
 more. (Lesson 07.)
 
-A route (``routes_lorax.py``, ``routes_openai.py``) only translates: its protocol's body into a
-``Call`` (the pydantic models and parsers beside its routes; ``openai_bodies.py`` for OpenAI's),
-and the finished ``Completion`` objects (or the events of a stream) into its protocol's answer.
-A parameter this server does not implement is never silently ignored: set to anything but its
-"off" value (null, false, an empty list), it is a 422 that names it. The ranges of the engine's
-parameters are checked once, by ``GenerationParams.check`` (``contract.py``). Then:
+A route only translates: its protocol's body into a ``Call`` (``routes_lorax.py``,
+``openai_bodies.py``), then the finished ``Completion`` objects (or the events of a stream)
+into its protocol's answer. A parameter this server does not implement is never silently
+ignored: set to anything but its "off" value (null, false, an empty list) it is a 422 naming
+it. The ranges of the engine's parameters are checked once, by ``GenerationParams.check``.
 
-    call = parse(await guards.read_json(request))    # the route's parser; ApiError if wrong
     run = await Run.start(request.app.state, call)   # engine.submit, in a worker thread
     completions = await run.collect(request)     # non-streaming: every completion, finished
     async for completion, event in run.events(): # streaming: events as they come
     run.close()                                  # cancels what is unfinished (always called)
 
-The engine answers one submission per HTTP request: its prompts, each generated
-``call.best_of`` times (``n`` and ``best_of`` are copies, each sampling with a seed of its
-own); ``pick`` chooses the best ones. Events reach the run through its sink, from the engine's
-thread (or the thread reading the engine's process), and are handed to the event loop once per
-step.
+Each prompt is generated ``call.best_of`` times (copies, each with a seed of its own);
+``pick`` chooses the best. Events reach the run through its sink, from the engine's thread (or
+the thread reading the engine's process), and are handed to the event loop once per step.
 """
 
 from __future__ import annotations
@@ -212,8 +208,21 @@ def sse(data) -> str:
     return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
 
 
-def event_stream(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+def event_stream(request, run: "Run", events, error) -> StreamingResponse:
+    """Server-sent ``events`` (strings) of ``run``. If they fail after the stream started (no
+    error handler can answer any more), the last event is ``error(message, error_type)``
+    (``guards.stream_failure``). The run is closed in every case, also when the client hangs
+    up between two events."""
+    async def guarded():
+        try:
+            async for event in events:
+                yield event
+        except Exception as err:
+            yield sse(error(*guards.stream_failure(err, request)))
+        finally:
+            run.close()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
@@ -288,11 +297,10 @@ class Run:
 
     @classmethod
     async def start(cls, state, call: Call) -> "Run":
-        """Submit the call to ``state.engine`` (the app's state: engine, metrics, runs) in a
-        worker thread: admitting it may take a while (tokenizing, loading an adapter, compiling
-        a grammar), and an engine in another process (``engine_process.py``) answers over a
-        pipe. If the client goes away meanwhile, the submission is cancelled once it is
-        accepted. ``errors.Unavailable`` (503) once the server is stopping."""
+        """Submit the call to ``state.engine`` in a worker thread: admitting it may take a
+        while (tokenizing, loading an adapter, compiling a grammar), and an engine in another
+        process answers over a pipe. If the client goes away meanwhile, the submission is
+        cancelled once it is accepted. ``errors.Unavailable`` (503) once the server stops."""
         if state.runs.stopping:
             raise errors.Unavailable("the server is shutting down")
         run = cls(state, call)
@@ -305,14 +313,10 @@ class Run:
             run.runs.active.discard(run)
             work.add_done_callback(run._cancel_after)
             raise
-        run._started(handle)
+        run.handle, copies = handle, call.best_of
+        run.completions = [Completion(i // copies, i % copies, handle.prompts[i // copies])
+                           for i in range(handle.sequences)]
         return run
-
-    def _started(self, handle: Handle) -> None:
-        self.handle = handle
-        copies = self.call.best_of
-        self.completions = [Completion(i // copies, i % copies, handle.prompts[i // copies])
-                            for i in range(handle.sequences)]
 
     def sink(self, events: list) -> None:
         """Called from the engine's thread (or the thread reading the engine's process) with
@@ -374,24 +378,13 @@ class Run:
         finally:
             self.close()
 
-    async def _collect(self) -> list[Completion]:
-        try:
-            while not self.finished:
-                await self.next()
-        finally:
-            self.close()
-        return self.completions
-
     async def collect(self, request) -> list[Completion]:
         """Wait until every completion finished. If the client hangs up first, its requests
         are cancelled at once (``guards.cancel_on_disconnect``) and ``guards.ClientGone`` is
         raised."""
-        return await guards.cancel_on_disconnect(request, self._collect(), self.close)
+        async def every_event():
+            async for _ in self.events():
+                pass
+            return self.completions
 
-    def by_prompt(self) -> list[list[Completion]]:
-        """The completions grouped by prompt, in the prompts' order."""
-        groups: list[list[Completion]] = [[] for _ in range(1 + max(
-            (c.index for c in self.completions), default=-1))]
-        for completion in self.completions:
-            groups[completion.index].append(completion)
-        return groups
+        return await guards.cancel_on_disconnect(request, every_event(), self.close)
