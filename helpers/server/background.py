@@ -1,15 +1,9 @@
 """Start the server in the background from a notebook or a test, and stop it cleanly.
 (Lesson 07.)
 
-    from helpers.server import serve_in_background
-
     server = serve_in_background(max_batch_size=16)    # waits until /health answers
-    client = lorax.Client(server.url)
-    ...
-    server.stop()
-
-    with serve_in_background() as url:                 # or for one block of code
-        lorax.Client(url).generate("Jack and Jill")
+    lorax.Client(server.url).generate("Jack and Jill")
+    server.stop()                                      # or: with serve_in_background() as url:
 
 The server is a process of its own (``python -m helpers.server``): its scheduler does not compete
 with the notebook for the interpreter lock, and the notebook times what a real client would.
@@ -164,15 +158,12 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
     (Lesson 07.)
 
-    model, adapters and ``options``: the server's options (below), e.g.
-    ``serve_in_background(max_batch_size=16, threads=1)``; ``port`` None (the default here)
-    picks a free port. env: extra environment variables for the server. name: a server started
-    under a name replaces the one started before under it. wait: False returns at once (call
-    ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
-    ``ValueError`` for a name that is not an option (before starting anything); ``RuntimeError``
-    if the server does not come up (and it is stopped).
-
-    The options:
+    model, adapters and ``options``: the server's options (below); ``port`` None (the default
+    here) picks a free port. env: extra environment variables for the server. name: a server
+    started under a name replaces the one started before under it. wait: False returns at once
+    (call ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
+    ``ValueError`` for an option that does not exist or a wrong value, before starting anything;
+    ``RuntimeError`` if the server does not come up (and it is stopped). The options:
     """
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0

@@ -36,11 +36,9 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 class ApiError(Exception):
-    """An error answered as ``{"error": message, "error_type": error_type}`` with ``status``.
-
-    error_type is one of LoRAX's: "validation" (the request is wrong: 400, 404, 413, 422),
-    "overloaded" (429: the queue is full), "generation" (424/500: the server could not do it).
-    """
+    """An error answered as ``{"error": message, "error_type": error_type}`` with ``status``;
+    error_type is one of LoRAX's: "validation", "not_found", "overloaded", "unavailable",
+    "generation"."""
 
     def __init__(self, status: int, message: str, error_type: str = "validation"):
         super().__init__(message)
@@ -107,12 +105,9 @@ def require_json(request) -> None:
 
 async def read_body(request, limit: int = MAX_BODY_BYTES,
                     timeout: float = BODY_TIMEOUT_SECONDS) -> bytes:
-    """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds.
-
-    A Content-Length above the limit is refused before anything is read; a chunked body is
-    counted as it arrives and refused one chunk (at most 64 KiB) past the limit, rather than
-    held whole and measured after. Both answer 413 and close the connection.
-    """
+    """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds. A
+    Content-Length above the limit is refused before anything is read; a chunked body is
+    counted as it arrives and refused one chunk past the limit (413, connection closed)."""
     length = request.headers.get("content-length")
     if length is not None:
         if not re.fullmatch(r"[0-9]{1,18}", length.strip()):

@@ -73,11 +73,9 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ChatMessage(Strict):
-    """One chat message. ``content`` is a text, or a list of parts of which only
-    ``{"type": "text", "text": ...}`` is understood (this model reads no images).
-
-    The tool-calling roles ("tool", "function") and fields (``tool_calls``, ``function_call``,
-    ``tool_call_id``) are known here only so that ``parse_chat`` can refuse them by name."""
+    """One chat message: ``content`` is a text or a list of ``{"type": "text", "text": ...}``
+    parts (this model reads no images). The tool-calling roles and fields are known here only
+    so that ``parse_chat`` can refuse them by name."""
 
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Union[str, list[dict], None] = None
@@ -187,7 +185,8 @@ def _check_prompt_count(data: Any) -> None:
 
 
 def _prompts_of(prompt) -> list:
-    """OpenAI's four prompt shapes as a list of prompts (each a string or a list of ids)."""
+    """OpenAI's four prompt shapes as a list of prompts (each a string or a list of ids); their
+    number was checked before validating (``_check_prompt_count``)."""
     if isinstance(prompt, str):
         return [prompt]
     if _is_token_ids(prompt):
@@ -196,9 +195,6 @@ def _prompts_of(prompt) -> list:
         prompts = list(prompt)
     if not prompts:
         raise invalid("`prompt` is an empty list: give at least one prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise invalid(f"`prompt` holds {len(prompts)} prompts; at most {MAX_PROMPTS} per "
-                      f"request")
     for ids in prompts:
         if isinstance(ids, list) and (not ids or min(ids) < 0):
             raise invalid("`prompt`: a prompt given as token ids must be a non-empty list of "
@@ -222,12 +218,9 @@ def _sample_if_several(params: GenerationParams, request: _OpenAISampling, copie
 
 
 def parse_completion(data: Any, model_id: str) -> Call:
-    """An OpenAI completions body as a ``Call``, or an ``ApiError``.
-
-    The adapter is the ``model`` field unless it names the base model (its id, "", "base").
-    ``max_tokens`` 0 with ``echo`` and ``logprobs`` scores the prompt and generates nothing
-    (the loglikelihood request of evaluation harnesses).
-    """
+    """An OpenAI completions body as a ``Call``, or an ``ApiError``. ``max_tokens`` 0 with
+    ``echo`` and ``logprobs`` scores the prompt and generates nothing (the loglikelihood
+    request of evaluation harnesses)."""
     _check_prompt_count(data)
     request = validate(CompletionRequest, data)
     reject_extras(request, "")
@@ -279,13 +272,9 @@ _NO_TOOLS = "the model cannot call tools"
 
 def _refuse_tools(request: ChatRequest) -> None:
     """Tool (and legacy function) calling is refused, naming the field: this model cannot call
-    tools, and an answer that ignored them would look like a model that chose not to.
-
-    Each field's "off" value is accepted, since it asks for what this server does anyway (as
-    ``reject_extras`` ignores unknown keys set to null, false or an empty list): ``tools``
-    and ``functions`` null or ``[]``, ``tool_choice`` and ``function_call`` null or
-    ``"none"`` (OpenAI's "call no tool"), ``parallel_tool_calls`` null or false. Anything else
-    (``"auto"``, ``"required"``, a named function, ``parallel_tool_calls: true``) is a 422."""
+    tools, and an answer that ignored them would look like a model that chose not to. Each
+    field's "off" value (``off`` below: "none" is OpenAI's "call no tool") asks for what this
+    server does anyway, and is accepted."""
     off = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
            "function_call": (None, "none"), "parallel_tool_calls": (None, False)}
     for name, values in off.items():

@@ -150,10 +150,7 @@ def details(engine, sequence: Completion, call: Call) -> dict:
 
 
 def generated_text(sequence: Completion, call: Call) -> str:
-    text = sequence.finish.text
-    if call.params.return_full_text:
-        text = sequence.prompt + text
-    return text
+    return (sequence.prompt if call.params.return_full_text else "") + sequence.finish.text
 
 
 def answer(engine, sequences: list[Completion], call: Call) -> dict:

@@ -45,13 +45,9 @@ class Call:
     """One HTTP request in the routes' terms: what to generate and how to answer.
 
     prompts:   each a string, or a list of token ids (OpenAI's pre-tokenized prompts)
-    best_of:   sequences generated per prompt (each a copy of the request with its own seed)
-    n:         sequences returned per prompt: the ``n`` best of the ``best_of`` by mean log
-               probability per token (OpenAI's rule); LoRAX returns one and lists the others
-               in ``details.best_of_sequences``
-    echo:      the prompt comes back before the answer (OpenAI completions)
-    logprobs:  OpenAI: alternatives per token (0: only the chosen token's log probability);
-               None: no log probabilities in the answer
+    best_of:   sequences generated per prompt; ``n`` of them are returned, the best by mean
+               log probability per token (LoRAX returns one, the others in its details)
+    logprobs:  OpenAI: alternatives per token (0: only the chosen token's); None: none
     messages:  the chat's messages (``/v1/chat/completions``), already checked
     """
 
@@ -228,15 +224,10 @@ def event_stream(request, run: "Run", events, error) -> StreamingResponse:
 
 @dataclass(eq=False)
 class Completion:
-    """One generated completion: the engine's events for one sequence of the submission.
-
-    index:   which prompt of the request (OpenAI's list of prompts; 0 for LoRAX)
-    copy:    which copy of that prompt (best_of / n)
-    prompt:  the prompt as the engine read it (a text; token ids decoded)
-    prompt_tokens: the prompt's tokens with their log probabilities, when they were asked for
-    tokens:  the generated tokens (dicts: id, text, logprob, special[, alternative_tokens])
-    finish:  the ``contract.Finish`` of the last event, or None
-    """
+    """The engine's events for one sequence of the submission: which ``copy`` (of best_of)
+    of which prompt (``index``), the prompt as the engine read it, its tokens with their log
+    probabilities when asked for, the generated tokens (dicts: id, text, logprob, special[,
+    alternative_tokens]) and the ``contract.Finish`` of the last event (None until then)."""
 
     index: int
     copy: int
