@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -204,15 +205,36 @@ serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + desc
 
 def port_is_free(host: str, port: int) -> bool:
     """True when nothing listens on (host, port): binding it succeeds. (Lesson 07.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # as a server binds: a closed connection's TIME_WAIT does not count, a listener does
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
+    try:
+        bind(host, port).close()
+    except ValueError:
+        return False
     return True
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``(host, port)``, as the server binds it before anything loads (a port
+    in use costs no model load to find); ``ValueError`` naming the flag. Clients wait until
+    ``listen``. (A closed connection's TIME_WAIT does not make a port in use, a listener does.)"""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if os.name != "nt":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: in use on {host} (by another program, or a server "
+                             f"started earlier and still running); choose another port, or 0 "
+                             f"for any free one") from None
+        raise ValueError(f"--host {host}: cannot listen there "
+                         f"({err.strerror or err}); 127.0.0.1 is this machine only") from None
+    return sock
 
 
 def stop_all() -> None:

@@ -17,6 +17,8 @@ from collections import Counter
 from itertools import accumulate
 from typing import Any, Awaitable, Callable, TypeVar
 
+from .errors import EngineError
+
 log = logging.getLogger("helpers.server")
 
 T = TypeVar("T")
@@ -77,8 +79,6 @@ def stream_failure(err: Exception, request=None) -> tuple[str, str]:
     """``(message, error_type)`` for the event that ends a stream already started (no error
     handler can answer any more): the server's own errors say their message, others go to
     the log as in ``internal_error``."""
-    from .errors import EngineError
-
     if isinstance(err, ApiError):
         return err.message, err.error_type
     if isinstance(err, EngineError):
