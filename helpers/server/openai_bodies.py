@@ -33,6 +33,12 @@ MAX_MESSAGES = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+class StreamOptions(Strict):
+    """OpenAI's ``stream_options``: of its options only ``include_usage`` exists here."""
+
+    include_usage: bool | None = None
+
+
 class _OpenAISampling(Strict):
     """The fields OpenAI's completions and chat completions share."""
 
@@ -41,7 +47,7 @@ class _OpenAISampling(Strict):
     top_p: float | None = None
     n: int | None = None
     stream: bool | None = None
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -122,7 +128,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | None,
                    alternatives: int | None) -> GenerationParams:
     """GenerationParams from the fields completions and chat completions share."""
-    _check_stream_options(request)
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = GenerationParams(
         max_new_tokens=max_tokens, stop=stop, temperature=request.temperature,
@@ -141,22 +146,16 @@ def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | No
     return checked(params)
 
 
-def _check_stream_options(request: _OpenAISampling) -> None:
-    """``stream_options`` only with ``stream: true`` (as OpenAI: it says how to stream);
-    ``null`` is accepted either way. Of its options only ``include_usage`` exists here."""
-    options = request.stream_options
-    if options is None:
-        return
+def _include_usage(request: _OpenAISampling) -> bool:
+    """Whether a stream ends with the usage chunk. ``stream_options`` only with ``stream: true``
+    (as OpenAI: it says how to stream); ``null`` is accepted either way."""
+    if request.stream_options is None:
+        return False
     if request.stream is not True:
         raise invalid("`stream_options` is only allowed when `stream` is true: leave it unset "
                       "(or null) for an answer that is not streamed")
-    unknown = set(options) - {"include_usage"}
-    if unknown:
-        raise unsupported(f"stream_options.{sorted(unknown)[0]}", "only include_usage is")
-    if options.get("include_usage") is not None and \
-            not isinstance(options["include_usage"], bool):
-        raise invalid(f"`stream_options.include_usage` must be true or false, got "
-                      f"{options['include_usage']!r}")
+    reject_extras(request.stream_options, "stream_options.")
+    return bool(request.stream_options.include_usage)
 
 
 def _is_token_ids(value) -> bool:
@@ -167,8 +166,8 @@ def _is_token_ids(value) -> bool:
 def _check_prompt_count(data: Any) -> None:
     """OpenAI's ``prompt`` is one text, one list of token ids (one prompt, however long: the
     engine bounds its length by its longest input), or a list of texts or of token-id lists
-    (several prompts, at most ``MAX_PROMPTS``). Like ``_check_count``, this runs before
-    validating the list item by item; a long list that is not all integers counts as prompts."""
+    (several prompts, at most ``MAX_PROMPTS``). This runs before validating the list item by
+    item (as ``parse_chat`` does for ``messages``); a long list not all integers is prompts."""
     value = data.get("prompt") if isinstance(data, dict) else None
     if isinstance(value, list) and len(value) > MAX_PROMPTS and not _is_token_ids(value):
         raise invalid(f"`prompt` holds {len(value)} items; at most {MAX_PROMPTS} per request "
@@ -247,7 +246,7 @@ def parse_completion(data: Any, model_id: str) -> Call:
     check_rows(len(prompts), n, best_of)
     return Call(prompts, params, stream=stream, best_of=best_of, n=n,
                 echo=bool(request.echo), logprobs=request.logprobs,
-                include_usage=bool((request.stream_options or {}).get("include_usage")),
+                include_usage=_include_usage(request),
                 model=request.model if params.adapter_id else model_id)
 
 
@@ -293,19 +292,15 @@ def _refuse_tools(request: ChatRequest) -> None:
                               f"leave it unset")
 
 
-def _check_count(data: Any, key: str, most: int) -> None:
-    """A list in the body longer than the server takes is refused before validating it item
-    by item (a cheap body of 200,000 tiny prompts would otherwise keep the event loop busy)."""
-    value = data.get(key) if isinstance(data, dict) else None
-    if isinstance(value, list) and len(value) > most:
-        raise invalid(f"`{key}` holds {len(value)} items; at most {most} per request")
-
-
 def parse_chat(data: Any, model_id: str) -> Call:
     """An OpenAI chat completions body as a ``Call`` whose ``messages`` are
     ``[{"role", "content"}]`` with text content; the engine turns them into the prompt with
     the model's chat template (``admission.py``, ``tokens.py``)."""
-    _check_count(data, "messages", MAX_MESSAGES)
+    # A list longer than the server takes is refused before validating it item by item (a
+    # cheap body of 200,000 tiny messages would otherwise keep the event loop busy).
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise invalid(f"`messages` holds {len(messages)} items; at most {MAX_MESSAGES} per request")
     request = validate(ChatRequest, data)
     reject_extras(request, "")
     if not request.messages:
@@ -337,5 +332,5 @@ def parse_chat(data: Any, model_id: str) -> Call:
     check_rows(1, n, n)
     return Call([], params, stream=bool(request.stream), best_of=n, n=n,
                 logprobs=(top or 0) if request.logprobs else None,
-                include_usage=bool((request.stream_options or {}).get("include_usage")),
+                include_usage=_include_usage(request),
                 model=request.model if params.adapter_id else model_id, messages=messages)
