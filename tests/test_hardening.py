@@ -20,6 +20,7 @@ import shutil
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from helpers.lora import ADAPTERS_DIR  # noqa: E402
 from helpers.server import guards, metrics as metrics_module, serve_in_background  # noqa: E402
 from helpers.server.adapters import BrokenAdapter, check_adapter_files  # noqa: E402
 from helpers.server.contract import GenerationParams  # noqa: E402
-from helpers.server.protocol import ApiError  # noqa: E402
+from helpers.server.guards import ApiError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")    # see tests/conftest.py
 
@@ -754,7 +755,7 @@ def test_check_ranges():
     Token ids outside the vocabulary are the engine's to refuse (tests/test_engine.py)."""
     from helpers.server.app import status_of
     from helpers.server.errors import InvalidRequest
-    from helpers.server.protocol import check_rows
+    from helpers.server.serving import check_rows
 
     GenerationParams(temperature=0.5, repetition_penalty=1.2, typical_p=1.0,
                      frequency_penalty=-2, presence_penalty=2,
@@ -797,12 +798,10 @@ def test_histogram_and_page_render():
     page = metrics_module.Metrics()
     started = time.perf_counter() - 0.03         # a request read 30 ms ago
     first = time.perf_counter()
-    page.observe_token(started, None, first)     # its first token
-    page.observe_token(started, first, time.perf_counter())      # its second
-    page.count_response(200)
-    page.count_response(422)
-    page.count_response(429)
-    page.count_response(499)                     # a hang-up: not a refusal
+    page.ttft.observe(first - started)           # its first token, as serving.Run observes it
+    page.per_token.observe(time.perf_counter() - first)          # its second
+    page.responses.update([200, 422, 429, 499])  # as guards.AnswerGuard counts; 499 is a
+                                                 # hang-up, not a refusal
     families = parse_prometheus(page.render({"running": 3, "waiting": 1, "tokens": 2}))
     buckets, count = check_histogram(families["helpers_server_time_to_first_token_seconds"])
     assert count == 1 and dict(buckets)[0.025] == 0 and dict(buckets)[0.05] == 1
@@ -862,12 +861,13 @@ def test_a_client_that_stops_reading_is_dropped():
         if len(sent) > 2:
             await asyncio.sleep(3600)            # the client's buffers are full
 
-    middleware = guards.SendDeadline(app, timeout=0.1)
+    counted = Counter()
+    middleware = guards.AnswerGuard(app, counted, timeout=0.1)
     asyncio.run(asyncio.wait_for(middleware({"type": "http"}, None, send), 10))
-    assert len(sent) == 3
+    assert len(sent) == 3 and counted == {200: 1}
 
     async def failing(scope, receive, send):
         raise ValueError("a bug, not a slow client")
 
     with pytest.raises(ValueError):
-        asyncio.run(guards.SendDeadline(failing, timeout=0.1)({"type": "http"}, None, send))
+        asyncio.run(guards.AnswerGuard(failing, Counter(), 0.1)({"type": "http"}, None, send))

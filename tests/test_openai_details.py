@@ -1,4 +1,4 @@
-"""Details of the OpenAI protocol that the request parsers (``helpers.server.protocol``) get right.
+"""Details of the OpenAI protocol that the request parsers (``helpers.server.openai_bodies``) get right.
 
 * a prompt given as one flat list of token ids is one prompt, however long;
 * tool calling (``tools``, ``tool_choice``, ``functions``, tool messages in the history) is
@@ -18,8 +18,9 @@ import json
 
 import pytest
 
-from helpers.server.protocol import (MAX_PROMPTS, ApiError, parse_chat, parse_completion,
-                                     parse_lorax)
+from helpers.server.guards import ApiError
+from helpers.server.openai_bodies import MAX_PROMPTS, parse_chat, parse_completion
+from helpers.server.routes_lorax import parse_lorax
 
 MODEL = "bundled"
 USER = [{"role": "user", "content": "hi"}]

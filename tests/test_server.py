@@ -710,7 +710,8 @@ def test_starting_again_under_a_name_replaces_the_old_server(servers, server, tm
 def test_the_bodies_lorax_client_sends_are_understood():
     from lorax.types import Parameters, Request
 
-    from helpers.server.protocol import parse_completion, parse_lorax
+    from helpers.server.openai_bodies import parse_completion
+    from helpers.server.routes_lorax import parse_lorax
 
     parameters = Parameters(adapter_id="entities", do_sample=True, max_new_tokens=7, seed=3,
                             stop=["."], temperature=0.5, top_k=5, top_p=0.9, details=True,

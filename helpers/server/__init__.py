@@ -15,23 +15,7 @@ talk to it.
         from lorax import Client
         print(Client(url).generate("Jack and Jill", max_new_tokens=20).generated_text)
 
-Modules, in the order a request travels (``docs/request-flow.md`` draws it): ``app`` (the
-application: error mapping, /health, /info, /metrics), ``guards`` (the HTTP door: body size,
-content type, JSON, slow or vanished clients), ``routes_lorax`` and ``routes_openai`` (the two
-families of routes), ``protocol`` (request bodies, parsed into a ``Call``), ``serving`` (the
-request path the routes share: submit, collect or stream, cancel), ``contract`` (what the HTTP
-side and the engine share: ``GenerationParams`` and its one check, ``Submission``, ``Handle``,
-the events, ``deliver``, the ``EngineClient`` interface), ``engine_process`` (the engine in a
-process of its own, supervised: the default); on the engine's side ``engine`` (one
-``Sequence`` per generated sequence and the scheduler's one turn), ``admission`` (tokens,
-limits, adapter and grammar for each submission), ``tokens`` (client text never becomes a
-special token; chat templates; tokens back to text as they come), ``scheduling`` (the
-admission policy), ``kv`` (the KV layouts the turn is given: lesson 03's padded batch or lesson
-08's paged cache), ``runner`` and ``graphs`` (how a paged pass runs: eager, compiled, CUDA
-graphs), ``sampling`` (how each row's next token is chosen), ``grammar`` (grammars to token
-masks), ``adapters`` (adapter names to loaded adapters), ``errors`` (the engine's own errors);
-and ``metrics`` (Prometheus' text format), ``background`` (start/stop from Python),
-``options`` (the server's options, declared once), ``__main__`` (the command).
+``docs/request-flow.md`` follows one request through the modules and says where a change goes.
 
 Importing this package is cheap: FastAPI, uvicorn and the engine are imported on first use, and
 the HTTP process of the server never imports torch or transformers.
@@ -46,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = ["ApiError", "BackgroundServer", "Engine", "GenerationParams", "Grammars",
            "create_app", "serve_in_background", "stop_all", "__version__"]
 
-_LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".protocol",
+_LAZY = {"Engine": ".engine", "create_app": ".app", "ApiError": ".guards",
          "GenerationParams": ".contract", "Grammars": ".grammar"}
 
 

@@ -9,11 +9,9 @@ It listens on 127.0.0.1 unless told otherwise: it has no authentication.
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -21,6 +19,7 @@ import time
 import uvicorn
 
 from . import options, startup
+from .background import bind
 
 log = logging.getLogger("helpers.server")
 
@@ -38,30 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit when standard input closes or the parent process dies (used "
                              "by serve_in_background: the server ends with its notebook)")
     return parser
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``(host, port)`` before anything loads, so that a port in use costs
-    no model load to find; ``ValueError`` naming the flag. Clients wait until ``listen``."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    if os.name != "nt":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        if err.errno == errno.EADDRINUSE:
-            raise ValueError(f"--port {port}: in use on {host} (by another program, or a server "
-                             f"started earlier and still running); choose another port, or 0 "
-                             f"for any free one") from None
-        raise ValueError(f"--host {host}: cannot listen there "
-                         f"({err.strerror or err}); 127.0.0.1 is this machine only") from None
-    return sock
 
 
 class Server(uvicorn.Server):
@@ -150,7 +125,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             torch_threads(args.threads, "cpu")
         if not args.drain_seconds >= 0:
             raise ValueError(f"--drain-seconds {args.drain_seconds}: must be 0 or more")
-        sock = _bind(args.host, args.port)
+        sock = bind(args.host, args.port)
     except ValueError as err:
         parser.error(str(err))
 

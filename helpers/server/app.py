@@ -1,11 +1,9 @@
-"""The HTTP side: the application that puts the routes in front of the engine. (Lesson 07.)
+"""The application that puts the routes in front of the engine. (Lesson 07.)
 
-LoRAX's routes (``POST /``, ``/generate``, ``/generate_stream``) are in ``routes_lorax.py``,
-OpenAI's (``/v1/...``) in ``routes_openai.py``; both take one request path (``serving.py``).
-Here: ``GET /health``, ``/info``, ``/metrics`` (Prometheus' text format) and the error handlers.
-Every error is ``{"error": ..., "error_type": ...}`` (under ``/v1/`` "error" is OpenAI's object,
-which the openai client shows). The engine raises its own errors (``errors.py``), never HTTP
-statuses: ``ENGINE_ERRORS`` answers them.
+Here: ``GET /health``, ``/info``, ``/metrics`` and the error handlers; the routes are in
+``routes_lorax.py`` and ``routes_openai.py``. Every error is ``{"error": ..., "error_type":
+...}`` (under ``/v1/`` "error" is OpenAI's object, which the openai client shows). The engine
+raises its own errors (``errors.py``), never HTTP statuses: ``ENGINE_ERRORS`` answers them.
 """
 
 from __future__ import annotations
@@ -15,14 +13,14 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import errors, guards, metrics, routes_lorax, routes_openai, serving
 from .contract import MAX_STOP_SEQUENCES, EngineClient
-from .protocol import MAX_BEST_OF, ApiError, describe_validation_errors, invalid
+from .guards import ApiError
+from .serving import MAX_BEST_OF
 
 log = logging.getLogger("helpers.server")
 
@@ -83,8 +81,7 @@ def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
     app.include_router(routes_lorax.router)
     app.include_router(routes_openai.router)
     add_state_routes(app, engine)
-    app.add_middleware(metrics.CountResponses, metrics=app.state.metrics)
-    app.add_middleware(guards.SendDeadline)       # drops a client that stops reading
+    app.add_middleware(guards.AnswerGuard, responses=app.state.metrics.responses)
     return app
 
 
@@ -107,11 +104,6 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": "client disconnected", "error_type": "generation"},
                             status_code=499)
 
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request, err: RequestValidationError):
-        api = invalid(describe_validation_errors(err.errors()))
-        return error_response(api.message, api.error_type, api.status, request)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err: StarletteHTTPException):
         message = err.detail if isinstance(err.detail, str) else json.dumps(err.detail)
@@ -125,7 +117,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request, err: Exception):
-        message, _ = guards.internal_error(request, err)     # logged; no internals sent
+        message = guards.internal_error(request, err)     # logged; no internals sent
         return error_response(message, "generation", 500, request)
 
 

@@ -1,15 +1,9 @@
 """Start the server in the background from a notebook or a test, and stop it cleanly.
 (Lesson 07.)
 
-    from helpers.server import serve_in_background
-
     server = serve_in_background(max_batch_size=16)    # waits until /health answers
-    client = lorax.Client(server.url)
-    ...
-    server.stop()
-
-    with serve_in_background() as url:                 # or for one block of code
-        lorax.Client(url).generate("Jack and Jill")
+    lorax.Client(server.url).generate("Jack and Jill")
+    server.stop()                                      # or: with serve_in_background() as url:
 
 The server is a process of its own (``python -m helpers.server``): its scheduler does not compete
 with the notebook for the interpreter lock, and the notebook times what a real client would.
@@ -21,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -164,15 +159,12 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
     (Lesson 07.)
 
-    model, adapters and ``options``: the server's options (below), e.g.
-    ``serve_in_background(max_batch_size=16, threads=1)``; ``port`` None (the default here)
-    picks a free port. env: extra environment variables for the server. name: a server started
-    under a name replaces the one started before under it. wait: False returns at once (call
-    ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
-    ``ValueError`` for a name that is not an option (before starting anything); ``RuntimeError``
-    if the server does not come up (and it is stopped).
-
-    The options:
+    model, adapters and ``options``: the server's options (below); ``port`` None (the default
+    here) picks a free port. env: extra environment variables for the server. name: a server
+    started under a name replaces the one started before under it. wait: False returns at once
+    (call ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
+    ``ValueError`` for an option that does not exist or a wrong value, before starting anything;
+    ``RuntimeError`` if the server does not come up (and it is stopped). The options:
     """
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0
@@ -213,15 +205,36 @@ serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + desc
 
 def port_is_free(host: str, port: int) -> bool:
     """True when nothing listens on (host, port): binding it succeeds. (Lesson 07.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # as a server binds: a closed connection's TIME_WAIT does not count, a listener does
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
+    try:
+        bind(host, port).close()
+    except ValueError:
+        return False
     return True
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``(host, port)``, as the server binds it before anything loads (a port
+    in use costs no model load to find); ``ValueError`` naming the flag. Clients wait until
+    ``listen``. (A closed connection's TIME_WAIT does not make a port in use, a listener does.)"""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if os.name != "nt":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: in use on {host} (by another program, or a server "
+                             f"started earlier and still running); choose another port, or 0 "
+                             f"for any free one") from None
+        raise ValueError(f"--host {host}: cannot listen there "
+                         f"({err.strerror or err}); 127.0.0.1 is this machine only") from None
+    return sock
 
 
 def stop_all() -> None:

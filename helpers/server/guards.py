@@ -1,26 +1,23 @@
-"""The server's door: what a request must look like before any work is spent on it. (Lesson 07.)
-
-Each guard is cheap and answers with an error that says what is wrong: a body's size limit
-enforced while it arrives (``read_body``), JSON only (``require_json``: a web page cannot make
-a browser post anything else cross-site without asking), strict JSON (``parse_json``), work
-cancelled when its client hangs up (``cancel_on_disconnect``), a 500 that names a request id and
-never the exception (``internal_error``), deadlines for clients that send their headers slowly or
-stop reading (``http_protocol``, ``SendDeadline``), no request framed twice (request smuggling)
-and, on a loopback server, no Host but this machine's (``LoopbackHosts``).
+"""The server's door: what a request must look like before any work is spent on it, each
+refusal an ``ApiError`` that says what is wrong; a client that hangs up, sends its headers
+slowly or stops reading is let go; every answer is counted by status (``AnswerGuard``).
+(Lesson 07.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
 import re
 import uuid
+from collections import Counter
 from itertools import accumulate
 from typing import Any, Awaitable, Callable, TypeVar
 
-from .protocol import ApiError, invalid
+from .errors import EngineError
 
 log = logging.getLogger("helpers.server")
 
@@ -40,6 +37,23 @@ SEND_TIMEOUT_SECONDS = 60.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+class ApiError(Exception):
+    """An error answered as ``{"error": message, "error_type": error_type}`` with ``status``;
+    error_type is one of LoRAX's: "validation", "not_found", "overloaded", "unavailable",
+    "generation"."""
+
+    def __init__(self, status: int, message: str, error_type: str = "validation"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+
+
+def invalid(message: str, status: int = 422) -> ApiError:
+    """A validation error (422 unless told otherwise)."""
+    return ApiError(status, message, "validation")
+
+
 class RefusedBody(ApiError):
     """A body refused before it was read to the end: the answer closes the connection, as
     HTTP/1.1 cannot skip the rest of a body otherwise."""
@@ -51,27 +65,25 @@ class ClientGone(Exception):
     """The client hung up before its answer was ready (see ``cancel_on_disconnect``)."""
 
 
-def internal_error(request, err: BaseException) -> tuple[str, str]:
-    """Log an unexpected exception with a fresh request id; ``(message, request_id)`` for the
-    client, naming no exception, path or line."""
+def internal_error(request, err: BaseException) -> str:
+    """Log an unexpected exception with a fresh request id; the client's message names that id
+    and no exception, path or line."""
     request_id = uuid.uuid4().hex[:16]
     where = f"{request.method} {request.url.path}" if request is not None else "a request"
     log.error("internal error in %s (request id %s)", where, request_id,
               exc_info=(type(err), err, err.__traceback__))
-    return f"internal error, see the server log (request id {request_id})", request_id
+    return f"internal error, see the server log (request id {request_id})"
 
 
 def stream_failure(err: Exception, request=None) -> tuple[str, str]:
     """``(message, error_type)`` for the event that ends a stream already started (no error
     handler can answer any more): the server's own errors say their message, others go to
     the log as in ``internal_error``."""
-    from .errors import EngineError
-
     if isinstance(err, ApiError):
         return err.message, err.error_type
     if isinstance(err, EngineError):
         return err.message, "generation"
-    return internal_error(request, err)[0], "generation"
+    return internal_error(request, err), "generation"
 
 
 def require_json(request) -> None:
@@ -93,12 +105,9 @@ def require_json(request) -> None:
 
 async def read_body(request, limit: int = MAX_BODY_BYTES,
                     timeout: float = BODY_TIMEOUT_SECONDS) -> bytes:
-    """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds.
-
-    A Content-Length above the limit is refused before anything is read; a chunked body is
-    counted as it arrives and refused one chunk (at most 64 KiB) past the limit, rather than
-    held whole and measured after. Both answer 413 and close the connection.
-    """
+    """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds. A
+    Content-Length above the limit is refused before anything is read; a chunked body is
+    counted as it arrives and refused one chunk past the limit (413, connection closed)."""
     length = request.headers.get("content-length")
     if length is not None:
         if not re.fullmatch(r"[0-9]{1,18}", length.strip()):
@@ -121,6 +130,12 @@ async def read_body(request, limit: int = MAX_BODY_BYTES,
         return await asyncio.wait_for(collect(), timeout)
     except asyncio.TimeoutError:
         raise RefusedBody(408, f"the request body did not arrive within {timeout:g} s") from None
+
+
+async def read_json(request):
+    """The request's JSON body: ``require_json``, then ``read_body``, then ``parse_json``."""
+    require_json(request)
+    return parse_json(await read_body(request))
 
 
 class _NotJson(ValueError):
@@ -151,26 +166,6 @@ def json_depth(text: str) -> int:
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
 
 
-def _lone_surrogate(value: Any, path: str = "") -> str | None:
-    """Where the first string (or key) holding a lone UTF-16 surrogate is, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(the body)"
-        return None
-    items = enumerate(value) if isinstance(value, list) else (
-        value.items() if isinstance(value, dict) else ())
-    for key, item in items:
-        if isinstance(key, str) and _lone_surrogate(key):
-            return f"a key of {path or 'the body'}"      # (the key itself cannot be shown)
-        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int)
-                                else (f"{path}.{key}" if path else key))
-        if found:
-            return found
-    return None
-
-
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, strictly: UTF-8, no NaN/Infinity, no number too large for a float,
     no lone surrogate escape (no UTF-8 encoder can write it back), at most ``MAX_JSON_DEPTH``
@@ -193,26 +188,17 @@ def parse_json(raw: bytes) -> Any:
                       f"column {err.colno})", 400) from None
     except _NotJson as err:
         raise invalid(f"the request body is not valid JSON: {err}", 400) from None
-    except (ValueError, RecursionError) as err:   # e.g. an integer of more than 4300 digits
-        reason = ("it nests too deeply" if isinstance(err, RecursionError)
-                  else str(err).split(";")[0][:120])
-        raise invalid(f"the request body cannot be read as JSON: {reason}", 400) from None
+    except ValueError as err:               # e.g. an integer of more than 4300 digits
+        raise invalid(f"the request body cannot be read as JSON: "
+                      f"{str(err).split(';')[0][:120]}", 400) from None
     if _SURROGATE_ESCAPE.search(text):        # only then can a string hold a lone surrogate
-        where = _lone_surrogate(data)
-        if where:
-            where = where if where.startswith("a key") else f"`{where[:200]}`"
-            raise invalid(f"the request body's JSON string at {where} holds a lone UTF-16 "
-                          f"surrogate escape (such as \\ud800), which is not a character", 400)
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("the request body's JSON holds a lone UTF-16 surrogate escape (such "
+                          "as \\ud800) in a string or a key, which is not a character",
+                          400) from None
     return data
-
-
-async def wait_for_disconnect(request) -> None:
-    """Returns when the client of ``request`` has hung up. Only once the body has been read:
-    after the body, the only ASGI message left to come is ``http.disconnect``."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def cancel_on_disconnect(request, work: Awaitable[T],
@@ -220,9 +206,14 @@ async def cancel_on_disconnect(request, work: Awaitable[T],
     """Run ``work`` (a coroutine) until it finishes or the client hangs up, whichever is first.
     If the client goes, ``on_gone()`` is called, ``work`` is cancelled (its ``finally`` blocks
     cancel its engine requests: the rows leave the batch at the next step) and ``ClientGone``
-    is raised."""
+    is raised. (Once the body has been read, the only ASGI message left to come is
+    ``http.disconnect``.)"""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    gone = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -247,16 +238,12 @@ def _refusal(message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:
 
 
 def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
-    """uvicorn's h11 HTTP protocol, for ``uvicorn.Config(http=...)``, with two guards.
-
-    A connection whose request headers have not all come within ``header_timeout`` seconds is
-    closed: a client sending them a byte at a time (slowloris) would otherwise hold a
-    connection, and a slot of ``limit_concurrency``, for as long as it likes.
-
-    A request with both Transfer-Encoding and Content-Length is answered 400 and the
-    connection closed, its body unread (RFC 9112 section 6.1). h11 would frame it by the
-    chunked encoding and keep the connection open, so a proxy in front that goes by
-    Content-Length would pass on a second request hidden after the last chunk."""
+    """uvicorn's h11 HTTP protocol (for ``uvicorn.Config(http=...)``) with two guards: a
+    connection whose request headers have not all come within ``header_timeout`` seconds is
+    closed (a client sending them a byte at a time would hold it as long as it likes); a
+    request with both Transfer-Encoding and Content-Length is answered 400 and the connection
+    closed (RFC 9112 section 6.1: h11 would frame it by the chunks and keep the connection,
+    so a proxy that goes by Content-Length would pass on a request hidden after them)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -277,8 +264,8 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
             return event
 
         def _refuse_two_framings(self) -> None:
-            log.warning("refused a request with both Transfer-Encoding and Content-Length "
-                        "from %s", self.client)
+            log.warning("refused a request framed twice (Transfer-Encoding and Content-Length)"
+                        " from %s", self.client)
             body, headers = _refusal("a request may not carry both Transfer-Encoding and "
                                      "Content-Length (RFC 9112 section 6.1): send one")
             for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
@@ -323,13 +310,14 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
     return HeaderDeadlineProtocol
 
 
-class SendDeadline:
-    """ASGI middleware: a client that stops reading its answer is dropped once one write has
-    waited ``timeout`` seconds (uvicorn has no write timeout: the request's task and connection
-    would stay open for as long as the client likes)."""
+class AnswerGuard:
+    """ASGI middleware around every answer: it counts the answer by status code into
+    ``responses`` (for /metrics; only the event loop writes it), and drops a client that stops
+    reading once one write has waited ``timeout`` seconds (uvicorn has no write timeout)."""
 
-    def __init__(self, app, timeout: float = SEND_TIMEOUT_SECONDS):
+    def __init__(self, app, responses: Counter, timeout: float = SEND_TIMEOUT_SECONDS):
         self.app = app
+        self.responses = responses
         self.timeout = timeout
 
     async def __call__(self, scope, receive, send):
@@ -337,7 +325,9 @@ class SendDeadline:
             return await self.app(scope, receive, send)
         stalled = []
 
-        async def send_with_deadline(message):
+        async def guarded_send(message):
+            if message["type"] == "http.response.start":
+                self.responses[message["status"]] += 1
             try:
                 await asyncio.wait_for(send(message), self.timeout)
             except asyncio.TimeoutError:
@@ -345,7 +335,7 @@ class SendDeadline:
                 raise ClientGone() from None
 
         try:
-            await self.app(scope, receive, send_with_deadline)
+            await self.app(scope, receive, guarded_send)
         except BaseException:
             if not stalled:
                 raise
@@ -356,12 +346,8 @@ class SendDeadline:
 
 def is_loopback(host: str) -> bool:
     """True for an address that only this machine can reach (127.x.x.x, ::1, localhost)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
@@ -376,9 +362,8 @@ def _host_name(header: str) -> str:
 
 class LoopbackHosts:
     """ASGI middleware for a server that listens on this machine only: a request whose Host
-    is not a loopback name is refused (403). A page whose own name its author points at
-    127.0.0.1 once loaded (DNS rebinding) is the same site as the server to the browser, but
-    its requests still carry that name in Host."""
+    is not a loopback name is refused (403). A page whose name its author points at 127.0.0.1
+    once loaded (DNS rebinding) still sends that name in Host."""
 
     def __init__(self, app, names=LOOPBACK_NAMES):
         self.app = app
@@ -395,3 +380,4 @@ class LoopbackHosts:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+

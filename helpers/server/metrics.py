@@ -4,15 +4,14 @@ format. (Lesson 07.)
 Each metric has a ``# HELP`` line, a ``# TYPE`` line (counter: only goes up; gauge: up and down;
 histogram: how many observations fell at or below each bucket edge ``le``) and its samples; from
 two scrapes a dashboard gets rates and latency percentiles. The histograms are the latencies
-clients saw (``serving.Run`` calls ``Metrics.observe_token`` for each token); the counters and
-gauges come from the engine's ``snapshot()``; ``CountResponses`` counts the answers by status.
+clients saw (``serving.Run`` observes each token); the counters and gauges come from the
+engine's ``snapshot()``; ``guards.AnswerGuard`` counts the answers by status.
 """
 
 from __future__ import annotations
 
-import math
 import operator
-import threading
+from collections import Counter
 
 import prometheus_client
 
@@ -31,45 +30,38 @@ ENGINE_METRICS = {
     "tokens": ("counter", "Tokens generated, all rows together."),
     "finished": ("counter", "Requests that finished (end of text, stop sequence or length)."),
     "cancelled": ("counter", "Requests dropped because their client went away."),
-    "failed": ("counter", "Requests that failed after they were accepted, by reason: error "
-                          "(the request failed in the engine) or engine_crash (the engine's "
-                          "process died under it)."),
+    "failed": ("counter", "Accepted requests that failed, by reason: error (in the engine) or "
+                          "engine_crash (the engine's process died under them)."),
     "rejected_overloaded": ("counter", "Requests refused because the queue was full (429)."),
     "steps_prefill": ("counter", "Forward passes that read new prompts (on the paged cache, "
-                                 "with the running rows' next tokens in the same pass)."),
+                                 "with the running rows' next tokens)."),
     "steps_decode": ("counter", "Forward passes that generated one token per running row."),
     "busy_seconds": ("counter", "Seconds the scheduler spent in forward passes."),
     "waiting": ("gauge", "Requests waiting for a slot in the batch (the queue's length)."),
     "running": ("gauge", "Rows in the running batch."),
     "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
-    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (paged KV "
-                                        "cache with prefix caching only; 0 otherwise)."),
-    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache, whose keys and "
-                                     "values were not computed again (paged KV cache only)."),
-    "kv_blocks_used": ("gauge", "KV blocks held by running requests (paged KV cache only; free "
-                                "blocks may still hold cached prefixes)."),
-    "kv_blocks_total": ("gauge", "KV blocks in the pool (paged KV cache only; 0 otherwise)."),
-    "steps_compiled": ("counter", "Steps run by the compiled model (paged KV cache with "
-                                  "--compile; lesson 10)."),
-    "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up "
-                            "(three, and none after)."),
-    "compile_seconds": ("counter", "Seconds inductor spent generating code for the model's "
-                                   "step (its backend's share; the start-up lines give the "
-                                   "whole compile, tracing included)."),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache (not computed "
+                                     "again)."),
+    "kv_blocks_used": ("gauge", "KV blocks held by running requests (free blocks may still "
+                                "hold cached prefixes)."),
+    "kv_blocks_total": ("gauge", "KV blocks in the pool (0 without the paged KV cache)."),
+    "steps_compiled": ("counter", "Steps run by the compiled model (--compile; lesson 10)."),
+    "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up."),
+    "compile_seconds": ("counter", "Seconds inductor spent generating code for the step (the "
+                                   "start-up lines give the whole compile)."),
     "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
-                                  "event (with the engine in a process of its own)."),
-    "steps_eager_instead": ("counter", "Steps that needed a graph start-up did not compile "
-                                       "and ran eager instead (nothing compiles after "
-                                       "start-up); 0 unless something unexpected came."),
+                                  "event."),
+    "steps_eager_instead": ("counter", "Steps that would have needed a compile after start-up "
+                                       "and ran eager instead (0 unless something unexpected "
+                                       "came)."),
     "cuda_graph_captures": ("counter", "CUDA graphs captured, one per capture size, all at "
-                                       "start-up (lesson 10); never more after."),
+                                       "start-up (lesson 10)."),
     "cuda_graph_replays": ("counter", "Decode steps that replayed a CUDA graph."),
-    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them: rows up to the "
-                                          "capture size, computed for nothing."),
-    "cuda_graph_fallbacks": ("counter", "Steps that ran without a CUDA graph, by reason: "
-                                        "prompt (a row read prompt tokens), adapter (a row "
-                                        "used a LoRA adapter), rows (more rows than the "
-                                        "largest capture size)."),
+    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them, computed for "
+                                          "nothing."),
+    "cuda_graph_fallbacks": ("counter", "Steps run without a CUDA graph, by reason: prompt, "
+                                        "adapter, rows (more than the largest capture size)."),
     "cuda_graph_memory_bytes": ("gauge", "GPU memory the graphs reserved when captured."),
     "cuda_graph_capture_seconds": ("counter", "Seconds spent capturing the graphs."),
 }
@@ -97,12 +89,8 @@ def combine(first: dict, second: dict, how=operator.add) -> dict:
 
 
 def _number(value: float) -> str:
-    """A sample value as Prometheus writes it (integers without ".0", +Inf, NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+    """A sample value as Prometheus writes it: integers without ".0"."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def _family(key: str, kind: str, help: str, value, label: str = "reason") -> list[str]:
@@ -130,20 +118,7 @@ class Metrics:
             PREFIX + "time_per_output_token_seconds",
             "Seconds between two consecutive generated tokens of one request.",
             buckets=TOKEN_BUCKETS, registry=self.histograms)
-        self._responses: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def observe_token(self, started: float, last: float | None, now: float) -> None:
-        """One token of a sequence reached the HTTP side at ``now``: the first (``last`` None)
-        is timed from ``started``, when the request was read, each later one from ``last``."""
-        if last is None:
-            self.ttft.observe(now - started)
-        else:
-            self.per_token.observe(now - last)
-
-    def count_response(self, status: int) -> None:
-        with self._lock:
-            self._responses[status] = self._responses.get(status, 0) + 1
+        self.responses: Counter = Counter()      # by status code (``guards.AnswerGuard``)
 
     def render(self, snapshot: dict | None, restarts: int = 0) -> str:
         """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
@@ -156,15 +131,12 @@ class Metrics:
         for key in sorted(set(ENGINE_METRICS) | set(snapshot)) if snapshot is not None else []:
             kind, help = ENGINE_METRICS.get(key, ("untyped", f"The engine's {key!r} figure."))
             value = snapshot.get(key, 0)
-            if key in LABELS and not isinstance(value, dict):
-                value = {LABELS[key][0]: value}
             if key in LABELS:
-                value = {**dict.fromkeys(LABELS[key], 0), **value}
+                value = {**dict.fromkeys(LABELS[key], 0),
+                         **(value if isinstance(value, dict) else {LABELS[key][0]: value})}
             lines += _family(key, kind, help, value)
-        with self._lock:
-            responses = dict(self._responses)
-        lines += _family("responses", "counter", "HTTP answers by status code.", responses,
-                         label="code")
+        responses = dict(self.responses)
+        lines += _family("responses", "counter", "HTTP answers by status code.", responses, "code")
         # 499 is not a refusal: it marks a client that hung up (see ``cancelled``).
         rejected = sum(n for code, n in responses.items() if 400 <= code < 500 and code != 499)
         lines += _family("rejected", "counter", "Requests answered with a 4xx status (refused "
@@ -175,22 +147,3 @@ class Metrics:
 
 #: The content type of Prometheus' text format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class CountResponses:
-    """ASGI middleware that counts the HTTP answers by status code into ``metrics``."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.count_response(message["status"])
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)

@@ -18,24 +18,114 @@ TGI's ``top_n_tokens`` is answered as TGI does too, in ``details.top_tokens``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from . import guards
-from .contract import TokenEvent
-from .protocol import Call, invalid, parse_lorax
-from .serving import Completion, Run, event_stream, pick, read_json, sse
+from .contract import GenerationParams, TokenEvent
+from .guards import invalid
+from .serving import (Call, Completion, Grammar, ResponseFormat, Run, Strict, check_best_of,
+                      check_rows, checked, event_stream, grammar_of, pick, reject_extras, sse,
+                      unsupported, validate)
+
+#: Alternatives per token a request may ask for (``return_k_alternatives``, TGI's
+#: ``top_n_tokens``); the engine's bound, ``contract.MAX_ALTERNATIVES``, is OpenAI chat's 20.
+MAX_LORAX_ALTERNATIVES = 10
 
 router = APIRouter()
 
 
+class LoraxParameters(Strict):
+    """The ``parameters`` object of a LoRAX request: every field lorax-client 0.6.3 sends, and
+    the TGI ones huggingface_hub's ``InferenceClient.text_generation`` adds."""
+
+    adapter_id: str | None = None
+    adapter_source: str | None = None
+    merged_adapters: Any = None
+    api_token: str | None = None
+    do_sample: bool | None = None
+    max_new_tokens: int | None = None
+    ignore_eos_token: bool | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_full_text: bool | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    best_of: int | None = None
+    watermark: bool | None = None
+    details: bool | None = None
+    decoder_input_details: bool | None = None
+    return_k_alternatives: int | None = None
+    top_n_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    grammar: Grammar | None = None
+
+
+class LoraxRequest(Strict):
+    """A LoRAX (or TGI) request body."""
+
+    inputs: str
+    parameters: LoraxParameters | None = None
+    stream: bool | None = None
+
+
+def parse_lorax(data: Any) -> Call:
+    """A LoRAX (or TGI) request body as a ``Call`` (one prompt), or an ``ApiError``."""
+    request = validate(LoraxRequest, data)
+    reject_extras(request, "")
+    p = request.parameters or LoraxParameters()
+    reject_extras(p, "parameters.")
+    if p.watermark:
+        raise unsupported("parameters.watermark", "it does not watermark its answers, and "
+                          "an answer without the watermark asked for would mislead")
+    if p.merged_adapters is not None:
+        raise unsupported("parameters.merged_adapters", "adapters are applied one per request, "
+                          "never merged; use adapter_id")
+    if p.return_k_alternatives is not None and p.top_n_tokens is not None:
+        raise invalid("`parameters.return_k_alternatives` (LoRAX) and `parameters.top_n_tokens` "
+                      "(TGI) ask for the same thing: give one of them")
+    alternatives = p.return_k_alternatives if p.return_k_alternatives is not None \
+        else p.top_n_tokens
+    if alternatives is not None and not 1 <= alternatives <= MAX_LORAX_ALTERNATIVES:
+        raise invalid(f"`parameters.return_k_alternatives` (or `top_n_tokens`): alternatives "
+                      f"per token must be between 1 and {MAX_LORAX_ALTERNATIVES}, got "
+                      f"{alternatives}")
+    params = GenerationParams(
+        max_new_tokens=p.max_new_tokens, stop=list(p.stop or []), do_sample=bool(p.do_sample),
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+        repetition_penalty=p.repetition_penalty, ignore_eos_token=bool(p.ignore_eos_token),
+        truncate=p.truncate, details=bool(p.details), return_full_text=bool(p.return_full_text),
+        alternatives=alternatives, adapter_id=p.adapter_id, adapter_source=p.adapter_source,
+        api_token=p.api_token, typical_p=p.typical_p, min_p=p.min_p,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        prompt_logprobs=bool(p.decoder_input_details),
+        grammar=grammar_of(p.response_format, p.grammar, "parameters."))
+    if params.max_new_tokens is not None and params.max_new_tokens < 1:
+        raise invalid(f"`parameters.max_new_tokens` must be at least 1, got "
+                      f"{params.max_new_tokens}")
+    checked(params, "parameters.")
+    best_of = check_best_of(p.best_of, 1, params.sampling, "parameters.best_of")
+    if best_of > 1 and request.stream:
+        raise invalid("`parameters.best_of` > 1 cannot be streamed (as in LoRAX): set "
+                      "stream to false")
+    if best_of > 1 and params.seed is not None:
+        raise invalid("`parameters.seed` cannot be set with `best_of` > 1: each sequence "
+                      "draws its own seed")
+    check_rows(1, 1, best_of)
+    return Call([request.inputs], params, stream=bool(request.stream), best_of=best_of)
+
+
 async def parse(request: Request) -> Call:
-    return parse_lorax(await read_json(request))
-
-
-async def start(request: Request, call: Call) -> Run:
-    return await Run.start(request.app.state, call)
+    return parse_lorax(await guards.read_json(request))
 
 
 def top_tokens(engine, token: dict) -> list[dict]:
@@ -60,10 +150,7 @@ def details(engine, sequence: Completion, call: Call) -> dict:
 
 
 def generated_text(sequence: Completion, call: Call) -> str:
-    text = sequence.finish.text
-    if call.params.return_full_text:
-        text = sequence.prompt + text
-    return text
+    return (sequence.prompt if call.params.return_full_text else "") + sequence.finish.text
 
 
 def answer(engine, sequences: list[Completion], call: Call) -> dict:
@@ -82,7 +169,7 @@ def answer(engine, sequences: list[Completion], call: Call) -> dict:
 
 
 async def generate_answer(request: Request, call: Call) -> dict:
-    run = await start(request, call)
+    run = await Run.start(request.app.state, call)
     return answer(request.app.state.engine, await run.collect(request), call)
 
 
@@ -106,20 +193,15 @@ async def stream(request: Request, call: Call) -> StreamingResponse:
     """Server-sent events, one per generated token. The request is admitted and queued before
     the response starts, so a refused request is an HTTP error, not an event."""
     engine = request.app.state.engine
-    run = await start(request, call)
+    run = await Run.start(request.app.state, call)
 
     async def messages():
-        try:
-            async for sequence, event in run.events():
-                if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
-                    yield sse(stream_message(engine, sequence, event, call))
-        except Exception as err:          # failed after the stream started: say so in it
-            message, error_type = guards.stream_failure(err, request)   # (logs a bug)
-            yield sse({"error": message, "error_type": error_type})
-        finally:       # also when the client hung up between two events
-            run.close()
+        async for sequence, event in run.events():
+            if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
+                yield sse(stream_message(engine, sequence, event, call))
 
-    return event_stream(messages())
+    return event_stream(request, run, messages(),
+                        lambda message, error_type: {"error": message, "error_type": error_type})
 
 
 @router.post("/")

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from itertools import groupby
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from . import errors, guards
 from .contract import PromptEvent
-from .protocol import Call, adapter_of, parse_chat, parse_completion
-from .serving import Completion, Run, event_stream, pick, read_json, sse
+from .openai_bodies import adapter_of, parse_chat, parse_completion
+from .serving import Call, Completion, Run, event_stream, pick, sse
 
 router = APIRouter()
 
@@ -77,7 +78,7 @@ def top_of(token: dict) -> dict:
 
 async def start(request: Request, parser) -> tuple[Run, Call]:
     """Read the body with ``parser`` and start its run."""
-    call = parser(await read_json(request), request.app.state.engine.model_id)
+    call = parser(await guards.read_json(request), request.app.state.engine.model_id)
     try:
         return await Run.start(request.app.state, call), call
     except errors.EngineError as err:      # the adapter came in `model`: say that field
@@ -94,9 +95,19 @@ async def answer(request: Request, parser, kind: str, stream, choice) -> JSONRes
     if call.stream:
         # OpenAI names a chat stream's objects "chat.completion.chunk"
         meta = header(f"{kind}.chunk" if kind == "chat.completion" else kind, call)
-        return openai_stream(stream(run, call, meta), run, call, meta)
+
+        async def chunks():            # then the usage chunk if asked, and [DONE]
+            async for chunk in stream(run, call, meta):
+                yield chunk
+            if call.include_usage:
+                yield sse({**meta, "choices": [], "usage": usage(run.completions)})
+            yield "data: [DONE]\n\n"
+
+        return event_stream(request, run, chunks(), lambda message, error_type: {
+            "error": {"message": message, "type": error_type}})
     sequences = await run.collect(request)
-    returned = [s for group in run.by_prompt() for s in pick(group, call.n)]
+    returned = [s for _, copies in groupby(sequences, key=lambda s: s.index)
+                for s in pick(list(copies), call.n)]
     return JSONResponse({**header(kind, call),
                          "choices": [choice(s, call, i) for i, s in enumerate(returned)],
                          "usage": usage(sequences)})
@@ -183,25 +194,6 @@ class Held:
         return piece
 
 
-def openai_stream(chunks, run: Run, call: Call, meta: dict):
-    """A streamed OpenAI answer: ``chunks``, then the usage chunk if asked and ``[DONE]``; an
-    error chunk if it fails after it started; the run closed in every case (also when the
-    client hangs up between two chunks)."""
-    async def events():
-        try:
-            async for chunk in chunks:
-                yield chunk
-            if call.include_usage:
-                yield sse({**meta, "choices": [], "usage": usage(run.completions)})
-            yield "data: [DONE]\n\n"
-        except Exception as err:
-            message, error_type = guards.stream_failure(err)      # (logs a bug)
-            yield sse({"error": {"message": message, "type": error_type}})
-        finally:
-            run.close()
-    return event_stream(events())
-
-
 async def released(run: Run, call: Call):
     """``(sequence, event, text, tokens)`` for each event of a streamed run: the text and
     tokens that can be sent now (``Held``); none for a ``PromptEvent``."""
@@ -216,7 +208,7 @@ async def released(run: Run, call: Call):
 
 
 async def completion_stream(run: Run, call: Call, meta: dict):
-    """The chunks of a streamed completion (``openai_stream`` adds the end)."""
+    """The chunks of a streamed completion (``answer`` adds the end)."""
     def chunk(index, text, tokens, offset=0, reason=None, prompt=()):
         logprobs = None if call.logprobs is None else completion_logprobs(tokens, offset, prompt)
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -263,7 +255,7 @@ async def chat_completions(request: Request):
 
 
 async def chat_stream(run: Run, call: Call, meta: dict):
-    """The chunks of a streamed chat completion (``openai_stream`` adds the end)."""
+    """The chunks of a streamed chat completion (``answer`` adds the end)."""
     def chunk(index, delta, tokens=(), reason=None):
         logprobs = chat_logprobs(list(tokens)) if call.logprobs is not None and tokens else None
         return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,

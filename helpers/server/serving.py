@@ -1,22 +1,21 @@
-"""The HTTP request path every route shares: read the body, submit, collect or stream the
-engine's events, cancel what nobody waits for any more. (Lesson 07.)
+"""What every route shares: the request as a ``Call``, the checks both dialects make, and the
+request path: submit, collect or stream the engine's events, cancel what nobody waits for any
+more. (Lesson 07.)
 
-A route (``routes_lorax.py``, ``routes_openai.py``) only translates: its protocol's body into a
-``protocol.Call``, and the finished ``Completion`` objects (or the events of a stream) into its
-protocol's answer. Everything between is here, once:
+A route only translates: its protocol's body into a ``Call`` (``routes_lorax.py``,
+``openai_bodies.py``), then the finished ``Completion`` objects (or the events of a stream)
+into its protocol's answer. A parameter this server does not implement is never silently
+ignored: set to anything but its "off" value (null, false, an empty list) it is a 422 naming
+it. The ranges of the engine's parameters are checked once, by ``GenerationParams.check``.
 
-    call = parse(await read_json(request))       # the route's parser; ApiError if wrong
     run = await Run.start(request.app.state, call)   # engine.submit, in a worker thread
     completions = await run.collect(request)     # non-streaming: every completion, finished
     async for completion, event in run.events(): # streaming: events as they come
     run.close()                                  # cancels what is unfinished (always called)
 
-The engine answers one submission per HTTP request: its prompts, each generated
-``call.best_of`` times (``n`` and ``best_of`` are copies, each sampling with a seed of its
-own);
-``pick`` chooses the best ones. Events reach the run through its sink, from the engine's
-thread (or the thread reading the engine's process), and are handed to the event loop once per
-step.
+Each prompt is generated ``call.best_of`` times (copies, each with a seed of its own);
+``pick`` chooses the best. Events reach the run through its sink, from the engine's thread (or
+the thread reading the engine's process), and are handed to the event loop once per step.
 """
 
 from __future__ import annotations
@@ -24,20 +23,180 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
 from starlette.concurrency import run_in_threadpool
 
 from . import errors, guards
-from .contract import ErrorEvent, Handle, PromptEvent, Submission, TokenEvent
-from .protocol import ApiError, Call
+from .contract import ErrorEvent, GenerationParams, Handle, PromptEvent, Submission, TokenEvent
+from .guards import ApiError, invalid
+
+#: Sequences one request may ask to generate per prompt (``best_of``, ``n``).
+MAX_BEST_OF = 4
+#: Rows one request may start (prompts x n x best_of): each row takes a batch slot.
+MAX_ROWS_PER_REQUEST = 16
 
 
-async def read_json(request):
-    """The request's JSON body: ``Content-Type: application/json``, the size limit enforced
-    while reading, strict JSON (``guards.py``). ApiError (4xx) otherwise."""
-    guards.require_json(request)
-    return guards.parse_json(await guards.read_body(request))
+@dataclass
+class Call:
+    """One HTTP request in the routes' terms: what to generate and how to answer.
+
+    prompts:   each a string, or a list of token ids (OpenAI's pre-tokenized prompts)
+    best_of:   sequences generated per prompt; ``n`` of them are returned, the best by mean
+               log probability per token (LoRAX returns one, the others in its details)
+    logprobs:  OpenAI: alternatives per token (0: only the chosen token's); None: none
+    messages:  the chat's messages (``/v1/chat/completions``), already checked
+    """
+
+    prompts: list
+    params: GenerationParams
+    stream: bool = False
+    best_of: int = 1
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    include_usage: bool = False
+    model: str = ""
+    messages: list[dict] | None = None
+
+
+class Strict(BaseModel):
+    # strict: "10" is not an integer and 1 is not a boolean; NaN and Infinity are not numbers
+    # (Python's json module reads them, JSON does not have them); extra keys are looked at
+    # afterwards (an unknown key set to a value is refused, one set to null is ignored).
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
+                              allow_inf_nan=False)
+
+
+class ResponseFormat(Strict):
+    """``{"type": "json_object", "schema": {...}}`` (LoRAX; TGI and huggingface_hub write
+    ``"value"`` for ``"schema"``), OpenAI's ``{"type": "json_schema", "json_schema":
+    {"schema": {...}}}``, or ``{"type": "text"}``."""
+
+    type: Literal["json_object", "json_schema", "text"]
+    schema_: Any = Field(default=None, alias="schema")
+    value: Any = None
+    json_schema: dict | None = None
+
+
+class Grammar(Strict):
+    """TGI's ``grammar``: ``{"type": "json", "value": schema}`` or ``{"type": "regex",
+    "value": pattern}`` (huggingface_hub's ``InferenceClient.text_generation(grammar=...)``)."""
+
+    type: Literal["json", "json_object", "regex"]
+    value: Any
+
+
+def validate(model: type[BaseModel], data: Any) -> BaseModel:
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except PydanticValidationError as err:
+        raise invalid(describe_validation_errors(err.errors())) from None
+
+
+def describe_validation_errors(problems: list[dict]) -> str:
+    """One line per problem, each naming the field: ``parameters.max_new_tokens: ...``."""
+    lines = []
+    for error in problems[:5]:
+        loc = ".".join(str(part) for part in error.get("loc", ()) if part not in ("body",))
+        # Unions repeat the location once per member: keep the first, readable part.
+        loc = loc.split(".str")[0].split(".list[")[0].split(".function-")[0]
+        message = error.get("msg", "invalid value")
+        got = error.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"`{loc or 'body'}`: {message}{shown}")
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    return "; ".join(lines) + more
+
+
+def reject_extras(model: BaseModel, where: str) -> None:
+    """An unknown field with a value is refused; one that is null (or false) is ignored."""
+    for key, value in (model.model_extra or {}).items():
+        if value not in (None, False, [], {}):
+            raise invalid(f"`{where}{key}` is not a parameter this server knows; it implements "
+                          f"no such option, so it refuses the request rather than ignore it")
+
+
+def unsupported(name: str, why: str) -> ApiError:
+    return invalid(f"`{name}` is not supported by this server ({why}); leave it unset")
+
+
+def _schema_of(fmt: ResponseFormat | None, where: str) -> dict | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    reject_extras(fmt, where)
+    if fmt.type == "json_schema":
+        inner = fmt.json_schema or {}
+        schema = inner.get("schema")
+        if schema is None:
+            raise invalid(f"`{where}json_schema.schema` is missing: give the JSON schema")
+    else:
+        schema = fmt.schema_ if fmt.schema_ is not None else fmt.value
+        if schema is None:
+            schema = {"type": "object"}   # JSON mode without a schema: any JSON object
+    if not isinstance(schema, dict):
+        raise invalid(f"`{where}schema` must be a JSON schema (an object), got "
+                      f"{type(schema).__name__}")
+    return schema
+
+
+def grammar_of(fmt: ResponseFormat | None, grammar: Grammar | None,
+               where: str) -> tuple[str, Any] | None:
+    """The engine's grammar from a ``response_format`` or a TGI ``grammar`` (not both)."""
+    schema = _schema_of(fmt, where + "response_format.")
+    if grammar is None:
+        return None if schema is None else ("json", schema)
+    if schema is not None:
+        raise invalid(f"`{where}grammar` and `{where}response_format` both constrain the "
+                      f"answer: give one of them")
+    reject_extras(grammar, where + "grammar.")
+    if grammar.type == "regex":
+        if not isinstance(grammar.value, str) or not grammar.value:
+            raise invalid(f"`{where}grammar.value` must be a regular expression (a string)")
+        return ("regex", grammar.value)
+    if not isinstance(grammar.value, dict):
+        raise invalid(f"`{where}grammar.value` must be a JSON schema (an object), got "
+                      f"{type(grammar.value).__name__}")
+    return ("json", grammar.value)
+
+
+def checked(params: GenerationParams, prefix: str = "") -> GenerationParams:
+    """``params`` with temperature 0 read as greedy, checked by ``GenerationParams.check`` (the
+    one check of every parameter's range; pydantic checked their types), as an ApiError."""
+    try:
+        return params.greedy_if_zero().check(prefix)
+    except errors.InvalidRequest as err:
+        raise invalid(err.message) from None
+
+
+def check_rows(prompts: int, n: int | None = 1, best_of: int | None = 1) -> None:
+    """One request may start at most ``MAX_ROWS_PER_REQUEST`` rows: prompts x max(n,
+    best_of) (each row is generated in full, whatever is returned)."""
+    copies = max(n or 1, best_of or 1)
+    if prompts * copies > MAX_ROWS_PER_REQUEST:
+        raise invalid(f"this request would generate {prompts * copies} sequences ({prompts} "
+                      f"prompts x {copies}); at most {MAX_ROWS_PER_REQUEST} per request")
+
+
+def check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int:
+    """How many sequences to generate per prompt."""
+    if best_of is None:
+        return n
+    if best_of < 1:
+        raise invalid(f"`{name}` must be strictly positive, got {best_of}")
+    if best_of < n:
+        raise invalid(f"`{name}` ({best_of}) must be at least `n` ({n})")
+    if best_of > MAX_BEST_OF:
+        raise invalid(f"`{name}` may be at most {MAX_BEST_OF}, got {best_of}")
+    if best_of > 1 and not sampling:
+        raise invalid(f"`{name}` > 1 needs sampling (do_sample, or a temperature, top_k or "
+                      f"top_p): greedy decoding would give {best_of} identical sequences")
+    return best_of
 
 
 def sse(data) -> str:
@@ -45,22 +204,30 @@ def sse(data) -> str:
     return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
 
 
-def event_stream(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+def event_stream(request, run: "Run", events, error) -> StreamingResponse:
+    """Server-sent ``events`` (strings) of ``run``. If they fail after the stream started (no
+    error handler can answer any more), the last event is ``error(message, error_type)``
+    (``guards.stream_failure``). The run is closed in every case, also when the client hangs
+    up between two events."""
+    async def guarded():
+        try:
+            async for event in events:
+                yield event
+        except Exception as err:
+            yield sse(error(*guards.stream_failure(err, request)))
+        finally:
+            run.close()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
 @dataclass(eq=False)
 class Completion:
-    """One generated completion: the engine's events for one sequence of the submission.
-
-    index:   which prompt of the request (OpenAI's list of prompts; 0 for LoRAX)
-    copy:    which copy of that prompt (best_of / n)
-    prompt:  the prompt as the engine read it (a text; token ids decoded)
-    prompt_tokens: the prompt's tokens with their log probabilities, when they were asked for
-    tokens:  the generated tokens (dicts: id, text, logprob, special[, alternative_tokens])
-    finish:  the ``contract.Finish`` of the last event, or None
-    """
+    """The engine's events for one sequence of the submission: which ``copy`` (of best_of)
+    of which prompt (``index``), the prompt as the engine read it, its tokens with their log
+    probabilities when asked for, the generated tokens (dicts: id, text, logprob, special[,
+    alternative_tokens]) and the ``contract.Finish`` of the last event (None until then)."""
 
     index: int
     copy: int
@@ -121,11 +288,10 @@ class Run:
 
     @classmethod
     async def start(cls, state, call: Call) -> "Run":
-        """Submit the call to ``state.engine`` (the app's state: engine, metrics, runs) in a
-        worker thread: admitting it may take a while (tokenizing, loading an adapter, compiling
-        a grammar), and an engine in another process (``engine_process.py``) answers over a
-        pipe. If the client goes away meanwhile, the submission is cancelled once it is
-        accepted. ``errors.Unavailable`` (503) once the server is stopping."""
+        """Submit the call to ``state.engine`` in a worker thread: admitting it may take a
+        while (tokenizing, loading an adapter, compiling a grammar), and an engine in another
+        process answers over a pipe. If the client goes away meanwhile, the submission is
+        cancelled once it is accepted. ``errors.Unavailable`` (503) once the server stops."""
         if state.runs.stopping:
             raise errors.Unavailable("the server is shutting down")
         run = cls(state, call)
@@ -138,14 +304,10 @@ class Run:
             run.runs.active.discard(run)
             work.add_done_callback(run._cancel_after)
             raise
-        run._started(handle)
+        run.handle, copies = handle, call.best_of
+        run.completions = [Completion(i // copies, i % copies, handle.prompts[i // copies])
+                           for i in range(handle.sequences)]
         return run
-
-    def _started(self, handle: Handle) -> None:
-        self.handle = handle
-        copies = self.call.best_of
-        self.completions = [Completion(i // copies, i % copies, handle.prompts[i // copies])
-                            for i in range(handle.sequences)]
 
     def sink(self, events: list) -> None:
         """Called from the engine's thread (or the thread reading the engine's process) with
@@ -161,7 +323,11 @@ class Run:
         now = self.loop.time()
         for sequence, event in events:
             if isinstance(event, TokenEvent) and event.token is not None:
-                self.metrics.observe_token(self.started, self._last_token.get(sequence), now)
+                last = self._last_token.get(sequence)      # None: the first, timed from start
+                if last is None:
+                    self.metrics.ttft.observe(now - self.started)
+                else:
+                    self.metrics.per_token.observe(now - last)
                 self._last_token[sequence] = now
             self.queue.put_nowait((sequence, event))
 
@@ -203,24 +369,13 @@ class Run:
         finally:
             self.close()
 
-    async def _collect(self) -> list[Completion]:
-        try:
-            while not self.finished:
-                await self.next()
-        finally:
-            self.close()
-        return self.completions
-
     async def collect(self, request) -> list[Completion]:
         """Wait until every completion finished. If the client hangs up first, its requests
         are cancelled at once (``guards.cancel_on_disconnect``) and ``guards.ClientGone`` is
         raised."""
-        return await guards.cancel_on_disconnect(request, self._collect(), self.close)
+        async def every_event():
+            async for _ in self.events():
+                pass
+            return self.completions
 
-    def by_prompt(self) -> list[list[Completion]]:
-        """The completions grouped by prompt, in the prompts' order."""
-        groups: list[list[Completion]] = [[] for _ in range(1 + max(
-            (c.index for c in self.completions), default=-1))]
-        for completion in self.completions:
-            groups[completion.index].append(completion)
-        return groups
+        return await guards.cancel_on_disconnect(request, every_event(), self.close)
