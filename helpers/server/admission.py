@@ -74,7 +74,7 @@ class Admission:
     def admit(self, submission: Submission) -> list[Admitted]:
         """Every prompt of ``submission``, checked and prepared (a bad one refuses the whole
         submission before anything runs). Raises ``errors.EngineError``."""
-        params = submission.params       # checked at the door (protocol.py: params.check)
+        params = submission.params       # checked at the door (GenerationParams.check)
         prompts = submission.prompts
         if submission.messages is not None:
             prompts = [self._chat_prompt(submission.messages)]

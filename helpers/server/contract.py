@@ -306,20 +306,19 @@ class Handle:
             log.exception("the sink of submission %s failed; its events are dropped", self.id)
 
 
-def deliver(items: list) -> list[Handle]:
+def deliver(items: list, forget=lambda handle: None) -> None:
     """One step's events to their submissions' sinks: ``items`` is ``[(handle, sequence,
     event), ...]``. Each handle counts the sequences that finished and gets one call with its
-    events, in order. Returns the handles whose last sequence finished. (The engine's thread
-    calls it, and so does the HTTP process for the events of the engine's process.)"""
+    events, in order; a handle whose last sequence finished is first ``forget``-ed, so that
+    nothing holds it once its client has its last event. (The engine's thread calls it, and so
+    does the HTTP process for the events of the engine's process.)"""
     by_handle: dict[Handle, list] = {}
-    finished = []
     for handle, sequence, event in items:
         if handle.count(event):
-            finished.append(handle)
+            forget(handle)
         by_handle.setdefault(handle, []).append((sequence, event))
     for handle, events in by_handle.items():
         handle.deliver(events)
-    return finished
 
 
 class EngineClient(Protocol):

@@ -8,13 +8,13 @@ vLLM (its "engine core") and SGLang run the model in a process of its own for th
 and so does this server unless told ``--engine thread``:
 
     HTTP process (uvicorn)                              engine process
-    routes ── Call("submit", submission) ───────────▶  command loop ──▶ Engine.submit
+    routes ── Question("submit", submission) ───────────▶  command loop ──▶ Engine.submit
            ◀── Answer (a Handle's fields, or an error)       │         (scheduler thread)
     reader thread  ◀──────── Events, one message per step ── Engine.deliver
       └─▶ each submission's sink
 
 The two processes talk over a ``multiprocessing`` pipe, in the small dataclasses below; every
-question the HTTP side asks (a submission, the counters, ``/tokenize``) is one ``Call``,
+question the HTTP side asks (a submission, the counters, ``/tokenize``) is one ``Question``,
 answered once. The HTTP process holds no model and no tokenizer: it imports neither torch nor
 transformers. ``EngineProcess`` is a ``contract.EngineClient``, as ``Engine`` is, so the routes
 do not know which one they talk to; when the engine process dies, the requests in flight fail
@@ -64,7 +64,7 @@ LIMITS = ("model_id", "kv_cache", "max_batch_size", "max_queue", "max_input_toke
 # --- the messages ---------------------------------------------------------------------------
 
 @dataclass
-class Call:                   # HTTP -> engine: one of _EngineSide.questions, with its arguments
+class Question:             # HTTP -> engine: one of _EngineSide.questions, with its arguments
     call: int
     question: str
     args: tuple = ()
@@ -87,7 +87,7 @@ class Ready:                  # engine -> HTTP: the engine's limits, or why it c
 
 
 @dataclass
-class Answer:                 # engine -> HTTP: the answer to a Call
+class Answer:                 # engine -> HTTP: the answer to a Question
     call: int
     ok: bool
     value: object             # the result; or (error class name, message)
@@ -210,7 +210,7 @@ class _EngineSide:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.send(Stop())
 
-    def _answer(self, message: Call) -> None:
+    def _answer(self, message: Question) -> None:
         """Answer the call with its function's result, or with its error."""
         try:
             self.send(Answer(message.call, True, self.questions[message.question](*message.args)))
@@ -333,7 +333,7 @@ class EngineProcess(Supervisor):
             self._calls[call] = future
         deadline = time.monotonic() + ANSWER_SECONDS[kind]
         try:
-            self._send(Call(call, question, args))
+            self._send(Question(call, question, args))
         except (OSError, ValueError):
             with self._lock:
                 self._calls.pop(call, None)
@@ -395,6 +395,8 @@ class EngineProcess(Supervisor):
         with self._lock:
             known = [(self._handles[number], sequence, event)
                      for number, sequence, event in items if number in self._handles]
-        for handle in deliver(known):
-            with self._lock:
-                self._handles.pop(handle.id, None)
+        deliver(known, forget=self._forget)
+
+    def _forget(self, handle) -> None:
+        with self._lock:
+            self._handles.pop(handle.id, None)
