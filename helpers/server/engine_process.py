@@ -283,21 +283,18 @@ class EngineProcess(Supervisor):
             prompts, sequences, seeds = self._call("submit", number, submission,
                                                    late=lambda _: self._send(Cancel(number)))
         except BaseException:
-            with self._lock:
-                self._handles.pop(number, None)
+            self._forget(handle)
             raise
         handle.prompts, handle.sequences, handle.seeds = prompts, sequences, seeds
         if handle.finished:
-            with self._lock:
-                self._handles.pop(number, None)
+            self._forget(handle)
         return handle
 
     def cancel(self, handle: Handle) -> None:
         if handle.finished or handle.cancelled:
             return
         handle.cancelled = True
-        with self._lock:
-            self._handles.pop(handle.id, None)          # its client is gone: no more events
+        self._forget(handle)                            # its client is gone: no more events
         try:
             self._send(Cancel(handle.id))
         except (OSError, ValueError):     # the engine process is gone: nothing runs anyway
