@@ -145,9 +145,9 @@ HINTS: dict[str, Hints] = {
         "middle, while A @ B first builds a d_in × d_out matrix.",
         "return self.base(x) + (x through A, then B) × self.scale.")),
     "merge_lora": Hints("05", "check_merge_lora", (
-        "Folding the adapter in: W′ = W + A·B × scale, where A·B is (in × out). nn.Linear "
-        "stores its weight the other way round, (out × in); Conv1D stores (in × out). The "
-        "layer itself stays as it is.",
+        "Products distribute: x·W + (x·A·B) × scale is x times one matrix, which can be made "
+        "once. Mind which way round each layer stores its weight: Conv1D (in × out), "
+        "nn.Linear (out × in). The layer itself stays as it is.",
         "isinstance(base, nn.Linear) tells the two layouts apart; .T turns a matrix; "
         "base.weight + delta makes a new tensor, where += would change the layer.",
         "delta = A·B × scale; turn it for an nn.Linear; return the weight plus delta.")),
@@ -221,10 +221,10 @@ HINTS: dict[str, Hints] = {
         "greedy decoding writes next, so each guess is checked by the position before it. Keep "
         "guesses while they match, then add the model's own choice; the cache must end up "
         "holding the accepted tokens only.",
-        "torch.tensor([unread + guesses], device=model.device); model(input_ids=…, "
-        "past_key_values=cache, use_cache=True) under torch.no_grad(); the logits of row 0 "
-        "from position len(unread) − 1 on, argmax(dim=-1).tolist(), give len(guesses) + 1 "
-        "choices; cache.crop(-r) forgets the last r positions.",
+        "One model call with past_key_values=cache and use_cache=True, under torch.no_grad(), "
+        "on a (1, tokens) tensor on the model's device; argmax over the vocabulary gives "
+        "greedy's choice at every position (which position judges guess 1?); "
+        "cache.crop(-r) forgets the last r positions.",
         "choices = …; n = how many leading guesses equal their choice; if some were rejected, "
         "crop them from the cache; return the kept guesses + [choices[n]].")),
     "lookup": Hints("09", "check_lookup", (
