@@ -382,11 +382,11 @@ def multi_lora():
     ax.text(7.95, 1.05, "(batch, in, r) and (batch, r, out)", ha="center", fontsize=8,
             color="#555555")
     # The result.
-    box(ax, 9.25, 2.2, 1.65, 1.9, "torch.bmm\n\nx @ A @ B\nfor every row\nat once", BLUE,
+    box(ax, 9.25, 2.2, 1.65, 1.9, "batched\nproducts:\nevery row\nthrough its\nown adapter", BLUE,
         fill=0.15, size=9, weight="bold")
     arrow(ax, 8.95, 3.15, 9.22, 3.15)
-    ax.text(0.2, 0.35, "output = base layer(x) + bmm(bmm(x, A[index]), B[index])   "
-            "— two batched products for the whole batch instead of a loop over rows",
+    ax.text(0.2, 0.35, "output = base layer(x) + each row's detour through its own adapter, "
+            "for the whole batch at once instead of a loop over rows",
             fontsize=9.5, color="#333333")
     return fig
 
