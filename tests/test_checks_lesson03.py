@@ -27,7 +27,7 @@ def _rebuild(batch, **changes):
 # ---- merge_batches: typical mistakes ---------------------------------------------------------
 
 def _merge(batch1, batch2, side="left", cache_order=(0, 1), pad_cache=True, empty=True,
-           empty_second=True):
+           empty_second=True, cache_side=None):
     if empty and len(batch1) == 0:
         return batch2
     if empty_second and len(batch2) == 0:
@@ -38,7 +38,8 @@ def _merge(batch1, batch2, side="left", cache_order=(0, 1), pad_cache=True, empt
         missing = width - batch.attention_mask.shape[1]
         where = (missing, 0) if side == "left" else (0, missing)
         mask = F.pad(batch.attention_mask, where, value=0)
-        layers = [(F.pad(k, (0, 0) + where), F.pad(v, (0, 0) + where)) if pad_cache else (k, v)
+        at = where if (cache_side or side) == side else where[::-1]
+        layers = [(F.pad(k, (0, 0) + at), F.pad(v, (0, 0) + at)) if pad_cache else (k, v)
                   for k, v in cache_layers(batch.past_key_values)]
         return mask, layers
 
@@ -56,6 +57,10 @@ def _merge(batch1, batch2, side="left", cache_order=(0, 1), pad_cache=True, empt
 
 def merge_right_padding(b1, b2):
     return _merge(b1, b2, side="right")
+
+
+def merge_padding_only_the_cache_on_the_right(b1, b2):
+    return _merge(b1, b2, cache_side="right")
 
 
 def merge_cache_in_wrong_order(b1, b2):
@@ -129,6 +134,7 @@ def merge_with_a_mask_made_on_the_cpu(b1, b2):
 
 MERGE_MISTAKES = {
     merge_right_padding: "row 2 of the attention mask ends in padding",
+    merge_padding_only_the_cache_on_the_right: "padded on the right",
     merge_cache_in_wrong_order: "in another order than the attention mask",
     merge_without_padding_the_cache: "pad the shorter one's keys and values on the left",
     merge_forgetting_the_empty_batch: "an empty batch has no cache yet",

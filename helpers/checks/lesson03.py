@@ -99,7 +99,20 @@ def _expect_batch(got, expected: Batch, what: str) -> None:
                 raise Hint(f"layer {layer}'s {name} hold the rows in another order than the "
                            f"attention mask: concatenate the caches in the same order as the "
                            f"rows (first batch first)")
+            if (isinstance(got_t, torch.Tensor) and got_t.shape == want_t.shape
+                    and got_t.dim() == 4 and _padded_on_the_right(got_t, want_t)):
+                raise Hint(f"layer {layer}'s {name} end in zeros where the attention mask has "
+                           f"the row's tokens: the cache is padded on the right; pad it on the "
+                           f"left (dimension 2), as the mask is")
             expect_tensor(f"layer {layer}'s {name}", got_t, want_t, rows="row", cols="kv head")
+
+
+def _padded_on_the_right(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a (rows, kv heads, tokens, head size) cache has its rows' padding (all-zero
+    positions) at the end, where the expected one has it at the start."""
+    got_pad, want_pad = (got == 0).all(dim=3).all(dim=1), (want == 0).all(dim=3).all(dim=1)
+    return bool((got_pad[:, -1] & ~want_pad[:, -1]).any()) and bool(
+        (got_pad.sum(dim=1) == want_pad.sum(dim=1)).all())
 
 
 # ---- merge_batches ------------------------------------------------------------------------
