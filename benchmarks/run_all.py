@@ -38,7 +38,6 @@ BENCHMARKS = [
     ("bench_quantization.py", "quantization", "lesson 04: quantization"),
     ("bench_lora.py", "lora", "lessons 05-06: multi-LoRA"),
     ("bench_server.py", "bench_server", "lesson 07: the server"),
-    ("bench_grammar.py", "bench_grammar", "lesson 07: grammar engines for JSON mode"),
     ("bench_paged.py", "bench_paged", "lesson 08: paged KV cache, prefix caching, chunked prefill"),
     ("bench_speculative.py", "bench_speculative", "lesson 09: speculative decoding"),
 ]
@@ -47,12 +46,7 @@ BENCHMARKS = [
 def run(script: str, out: pathlib.Path, quick: bool) -> dict:
     """Run one benchmark as a module; return its exit status and wall time."""
     module = "benchmarks." + script.removesuffix(".py")
-    # The grammar comparison runs where all three engines are installed (`make bench` makes
-    # that environment); elsewhere it measures the engines this Python has, and says so.
-    python = sys.executable
-    if script == "bench_grammar.py":
-        python = os.environ.get("BENCH_GRAMMAR_PYTHON") or sys.executable
-    command = [python, "-m", module, "--out", str(out)] + (["--quick"] if quick else [])
+    command = [sys.executable, "-m", module, "--out", str(out)] + (["--quick"] if quick else [])
     print(f"\n=== {script} ===", flush=True)
     start = time.perf_counter()
     status = subprocess.call(command, cwd=HERE.parent)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from benchmarks.bench_grammar import nested_schema, object_schema
 from helpers.corpus import task_prompt
 from helpers.server.errors import InvalidRequest, Overloaded, TooLarge
 from helpers.server.grammar import Grammars, closed_objects
@@ -20,6 +19,14 @@ from helpers.server.grammar import Grammars, closed_objects
 pytestmark = pytest.mark.usefixtures("one_thread")   # see tests/conftest.py
 
 SENTENCE = "Tom the fox met Lily the owl at the river and found a red ball."
+
+
+def nested_schema(depth: int) -> dict:
+    """Objects nested ``depth`` deep around an integer."""
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 class Score(BaseModel):                     # an integer with no bound
