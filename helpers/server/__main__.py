@@ -41,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 class Server(uvicorn.Server):
     """uvicorn's server, stopping as TGI and vLLM do: on SIGTERM or SIGINT it admits nothing
     new (503), gives the requests running ``drain`` seconds, ends the others with an error,
-    then exits with status 0 (uvicorn would raise the signal again: a traceback, or -15).
-    """
+    then exits with status 0 (uvicorn would raise the signal again: a traceback, or -15)."""
 
     def __init__(self, config, runs, drain: float):
         super().__init__(config)

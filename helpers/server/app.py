@@ -5,7 +5,6 @@ the engine, with ``GET /health``, ``/info``, ``/metrics`` and the error handlers
 from __future__ import annotations
 
 import json
-import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -18,8 +17,6 @@ from .contract import MAX_STOP_SEQUENCES, EngineClient
 from .guards import ApiError
 from .serving import MAX_BEST_OF
 
-log = logging.getLogger("helpers.server")
-
 SERVER_NAME = "helpers.server (Efficiently Serving LLMs, lesson 07)"
 
 #: How each engine error is answered: the first class that matches (a subclass before its
@@ -30,16 +27,14 @@ ENGINE_ERRORS = [
     (errors.NotFound, 404, "not_found"),
     (errors.Overloaded, 429, "overloaded"),
     (errors.Unavailable, 503, "unavailable"),
-    (errors.GenerationFailed, 500, "generation"),
+    (errors.EngineError, 500, "generation"),        # GenerationFailed, and any other
 ]
 
 
 def status_of(err: errors.EngineError) -> tuple[int, str]:
     """The HTTP status and LoRAX error_type that answer an engine error."""
-    for kind, status, error_type in ENGINE_ERRORS:
-        if isinstance(err, kind):
-            return status, error_type
-    return 500, "generation"
+    return next((status, error_type) for kind, status, error_type in ENGINE_ERRORS
+                if isinstance(err, kind))
 
 
 def error_response(message: str, error_type: str, status: int, request: Request | None = None,
@@ -96,8 +91,7 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(guards.ClientGone)
     async def client_gone(request, err: guards.ClientGone):
         # Nobody reads this answer; 499 (nginx's "client closed request") marks it in logs.
-        return JSONResponse({"error": "client disconnected", "error_type": "generation"},
-                            status_code=499)
+        return error_response("client disconnected", "generation", 499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err: StarletteHTTPException):

@@ -156,8 +156,7 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     ``port`` None (the default here) picks a free port. env: extra environment variables.
     name: replaces the server started before under it. wait: False returns at once (call
     ``.wait()`` before ``.url``). ``ValueError`` for a wrong option, before starting anything;
-    ``RuntimeError`` if the server does not come up (and it is stopped). The options:
-    """
+    ``RuntimeError`` if the server does not come up (and it is stopped). The options:"""
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0
     host = options.get("host") or DEFAULTS["host"]

@@ -52,8 +52,7 @@ class GenerationParams:
     ``grammar``: ``("json", schema)``, ``("regex", pattern)`` or None. A matched stop sequence
     stays in the text (as in LoRAX). The penalties follow OpenAI: ``frequency_penalty`` once
     per time a token was generated, ``presence_penalty`` once if it was; ``min_p`` keeps the
-    tokens at least ``min_p`` times as likely as the likeliest.
-    """
+    tokens at least ``min_p`` times as likely as the likeliest."""
 
     max_new_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

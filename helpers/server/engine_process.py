@@ -1,11 +1,6 @@
-"""The engine in a process of its own, so that the model never waits for the HTTP side.
-(Lesson 07.)
-
-Python runs one thread of a process at a time (the global interpreter lock): sharing a
-process with the event loop, the scheduler waits while each token is written to a client (on
-a 2-core CPU a single stream got about 60 % of the bare decode loop's tokens per second).
-vLLM and SGLang run the model in a process of its own for this reason, and so does this
-server unless told ``--engine thread``:
+"""The engine in a process of its own (unless ``--engine thread``), so that the model never
+waits for the HTTP side: Python runs one thread at a time, and sharing the event loop's process
+a 2-core CPU's single stream got about 60 % of the bare decode loop's speed. (Lesson 07.)
 
     HTTP process (uvicorn)                              engine process
     routes ── Question("submit", submission) ───────────▶  command loop ──▶ Engine.submit
@@ -13,9 +8,9 @@ server unless told ``--engine thread``:
     reader thread  ◀──────── Events, one message per step ── Engine.deliver
       └─▶ each submission's sink
 
-The HTTP process imports neither torch nor transformers. ``EngineProcess`` is an
-``EngineClient``, as ``Engine`` is, so the routes do not know which one they talk to; when the
-engine process dies, the requests in flight get a 503 and ``supervisor.py`` starts a new one.
+The HTTP process imports neither torch nor transformers, and its routes cannot tell an
+``EngineProcess`` from an ``Engine``. When the engine process dies, the requests in flight get
+a 503 and ``supervisor.py`` starts a new one.
 """
 
 from __future__ import annotations

@@ -143,8 +143,7 @@ class Supervisor:
         for future in calls.values():
             if not future.done():
                 future.set_result((False, ("Unavailable", STOPPED)))
-        why = ("the server's engine process stopped; it is being restarted" if crashed
-               else "the server's engine process stopped")
+        why = "the server's engine process stopped" + ("; it is being restarted" if crashed else "")
         if crashed:
             self._cut += sum(h.sequences - h.done for h in handles if h.sequences)
         for handle in handles:      # one error ends the whole submission (sequence: None)
