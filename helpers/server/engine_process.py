@@ -338,8 +338,12 @@ class EngineProcess(Supervisor):
                     if message.failure and not self._failure:
                         self._failure = message.failure
                         log.error("the engine process reports: %s", message.failure)
-                elif isinstance(message, Events):
-                    self._deliver(message.items)
+                elif isinstance(message, Events):     # to the submissions not cancelled
+                    with self._lock:
+                        known = [(self._handles[number], sequence, event)
+                                 for number, sequence, event in message.items
+                                 if number in self._handles]
+                    deliver(known, forget=self._forget)
                 elif isinstance(message, Answer):
                     with self._lock:
                         future = self._calls.pop(message.call, None)
@@ -356,13 +360,6 @@ class EngineProcess(Supervisor):
             self._fail_everything(crashed)
         if crashed:
             self._restart()
-
-    def _deliver(self, items: list) -> None:
-        """One step's events, to the sinks of the submissions not cancelled meanwhile."""
-        with self._lock:
-            known = [(self._handles[number], sequence, event)
-                     for number, sequence, event in items if number in self._handles]
-        deliver(known, forget=self._forget)
 
     def _forget(self, handle) -> None:
         with self._lock:
