@@ -4,9 +4,9 @@
     lorax.Client(server.url).generate("Jack and Jill")
     server.stop()                                      # or: with serve_in_background() as url:
 
-The server is a process of its own, so the notebook times what a real client would. Its stdin
-is a pipe from the notebook's kernel, so it ends with the kernel; running the cell again
-replaces the server it started before under the same name.
+The server is a process of its own (no interpreter lock shared with the notebook, which times
+what a real client would). Its stdin is a pipe from the notebook's kernel, so it ends with the
+kernel; running the cell again replaces the server it started before under the same name.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    if os.name != "nt":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is no user
+    if os.name != "nt":     # a closed connection's TIME_WAIT must not hold the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:

@@ -50,9 +50,9 @@ class GenerationParams:
     every prompt token's log probability: the loglikelihood request of evaluation harnesses).
     Any of temperature / top_k / top_p / typical_p / min_p turns sampling on, as in TGI.
     ``grammar``: ``("json", schema)``, ``("regex", pattern)`` or None. A matched stop sequence
-    stays in the text (as in LoRAX). The penalties follow OpenAI: ``frequency_penalty`` once
-    per time a token was generated, ``presence_penalty`` once if it was; ``min_p`` keeps the
-    tokens at least ``min_p`` times as likely as the likeliest."""
+    stays in the text (as in LoRAX; the OpenAI route cuts it). The penalties follow OpenAI:
+    ``frequency_penalty`` once per time a token was generated, ``presence_penalty`` once if it
+    was; ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest."""
 
     max_new_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

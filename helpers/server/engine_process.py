@@ -1,6 +1,7 @@
-"""The engine in a process of its own (unless ``--engine thread``), so that the model never
-waits for the HTTP side: Python runs one thread at a time, and sharing the event loop's process
-a 2-core CPU's single stream got about 60 % of the bare decode loop's speed. (Lesson 07.)
+"""The engine in a process of its own (unless ``--engine thread``), as in vLLM and SGLang, so
+that the model never waits for the HTTP side: Python runs one thread at a time, and sharing the
+event loop's process, a 2-core CPU's single stream got about 60 % of the bare decode loop's
+speed. (Lesson 07.)
 
     HTTP process (uvicorn)                              engine process
     routes ── Question("submit", submission) ───────────▶  command loop ──▶ Engine.submit
