@@ -1,12 +1,8 @@
 """A small LoRAX-compatible server built from the course's own helpers. (Lesson 07.)
 
-It puts the course together: continuous batching (lesson 03's ``init_batch``,
-``generate_next_token``, ``merge_batches``, ``filter_batch``) with one LoRA adapter per row
-(lesson 06: ``MultiLora``), per-request sampling rules and constrained decoding (JSON schemas,
-regular expressions), behind the protocols that clients already speak: LoRAX's REST protocol
-(also TGI's, which huggingface_hub's ``InferenceClient`` uses) and OpenAI's completions and
-chat completions, so the real ``lorax-client``, ``huggingface_hub`` and ``openai`` packages
-talk to it.
+Continuous batching (lesson 03) with one LoRA adapter per row (lesson 06), per-request sampling
+and constrained decoding, behind LoRAX's (and TGI's) REST protocol and OpenAI's completions
+and chat completions: the real ``lorax-client``, ``huggingface_hub`` and ``openai`` talk to it.
 
     python -m helpers.server --port 8080               # from a terminal
 
@@ -15,10 +11,8 @@ talk to it.
         from lorax import Client
         print(Client(url).generate("Jack and Jill", max_new_tokens=20).generated_text)
 
-``docs/request-flow.md`` follows one request through the modules and says where a change goes.
-
-Importing this package is cheap: FastAPI, uvicorn and the engine are imported on first use, and
-the HTTP process of the server never imports torch or transformers.
+``docs/request-flow.md`` follows one request through the modules. Importing this package is
+cheap: FastAPI, uvicorn and the engine are imported on first use.
 """
 
 from __future__ import annotations

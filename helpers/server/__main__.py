@@ -1,14 +1,13 @@
-"""Start the lesson-07 server from a terminal. (Lesson 07.)
+"""Start the lesson-07 server from a terminal: it listens on 127.0.0.1 unless told otherwise
+(it has no authentication). (Lesson 07.)
 
     python -m helpers.server --port 8080 --max-batch-size 8    # --help lists every option
-
-Then ``lorax.Client("http://127.0.0.1:8080").generate("Jack and Jill", max_new_tokens=20)``.
-It listens on 127.0.0.1 unless told otherwise: it has no authentication.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -25,7 +24,7 @@ log = logging.getLogger("helpers.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's flags: one per server option, and two for ``serve_in_background``."""
+    """One flag per server option, and two for ``serve_in_background``."""
     parser = argparse.ArgumentParser(
         prog="python -m helpers.server",
         description="A LoRAX-compatible server: continuous batching, one LoRA adapter per "
@@ -40,11 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, stopping as TGI and vLLM do. On SIGTERM or SIGINT it admits nothing
-    new (503), lets the requests running finish for ``drain`` seconds, ends the others with
-    an error (``serving.Runs.end``), then shuts down and stops the engine: exit status 0,
-    without the signal raised again (uvicorn would: a traceback for SIGINT, -15 for SIGTERM).
-    """
+    """uvicorn's server, stopping as TGI and vLLM do: on SIGTERM or SIGINT it admits nothing
+    new (503), gives the requests running ``drain`` seconds, ends the others with an error,
+    then exits with status 0 (uvicorn would raise the signal again: a traceback, or -15)."""
 
     def __init__(self, config, runs, drain: float):
         super().__init__(config)
@@ -61,7 +58,7 @@ class Server(uvicorn.Server):
             self.stop_now()
 
     def stop_now(self) -> None:
-        """Stop without waiting for the requests running (any thread may call it)."""
+        """Stop without waiting for the requests running (from any thread)."""
         self.runs.stopping = True
         self.deadline = 0.0
 
@@ -74,8 +71,8 @@ class Server(uvicorn.Server):
 
 
 def _watch_parent(server) -> None:
-    """Stop the server when the process that started it goes away: its end of our stdin
-    closes (it stopped us, exited or was killed), or (POSIX) we get a new parent."""
+    """Stop the server when the process that started it goes away: our stdin closes, or (POSIX)
+    we get a new parent."""
     stop = threading.Event()
 
     def exit_soon():
@@ -88,11 +85,9 @@ def _watch_parent(server) -> None:
         timer.start()
 
     def read_stdin():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             while sys.stdin.buffer.read(1024):
                 pass
-        except (OSError, ValueError):
-            pass
         exit_soon()
 
     def poll_parent(parent: int):
@@ -118,11 +113,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from .engine_process import torch_threads
-
     try:                                  # every flag checked before anything loads
         if args.threads is not None:
-            torch_threads(args.threads, "cpu")
+            options.torch_threads(args.threads, "cpu")
         if not args.drain_seconds >= 0:
             raise ValueError(f"--drain-seconds {args.drain_seconds}: must be 0 or more")
         sock = bind(args.host, args.port)

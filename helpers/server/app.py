@@ -1,15 +1,10 @@
-"""The application that puts the routes in front of the engine. (Lesson 07.)
-
-Here: ``GET /health``, ``/info``, ``/metrics`` and the error handlers; the routes are in
-``routes_lorax.py`` and ``routes_openai.py``. Every error is ``{"error": ..., "error_type":
-...}`` (under ``/v1/`` "error" is OpenAI's object, which the openai client shows). The engine
-raises its own errors (``errors.py``), never HTTP statuses: ``ENGINE_ERRORS`` answers them.
+"""The application that puts the routes (``routes_lorax.py``, ``routes_openai.py``) in front of
+the engine, with ``GET /health``, ``/info``, ``/metrics`` and the error handlers. (Lesson 07.)
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,29 +17,24 @@ from .contract import MAX_STOP_SEQUENCES, EngineClient
 from .guards import ApiError
 from .serving import MAX_BEST_OF
 
-log = logging.getLogger("helpers.server")
-
 SERVER_NAME = "helpers.server (Efficiently Serving LLMs, lesson 07)"
 
-#: How each kind of engine error is answered: the first class that matches wins (a subclass
-#: before its parent). lorax-client raises NotFoundError for "not_found", and ValidationError
-#: for "validation" whatever the status.
+#: How each engine error is answered: the first class that matches (a subclass before its
+#: parent). lorax-client raises NotFoundError for "not_found", ValidationError for "validation".
 ENGINE_ERRORS = [
     (errors.TooLarge, 413, "validation"),
     (errors.InvalidRequest, 422, "validation"),
     (errors.NotFound, 404, "not_found"),
     (errors.Overloaded, 429, "overloaded"),
     (errors.Unavailable, 503, "unavailable"),
-    (errors.GenerationFailed, 500, "generation"),
+    (errors.EngineError, 500, "generation"),        # GenerationFailed, and any other
 ]
 
 
 def status_of(err: errors.EngineError) -> tuple[int, str]:
     """The HTTP status and LoRAX error_type that answer an engine error."""
-    for kind, status, error_type in ENGINE_ERRORS:
-        if isinstance(err, kind):
-            return status, error_type
-    return 500, "generation"
+    return next((status, error_type) for kind, status, error_type in ENGINE_ERRORS
+                if isinstance(err, kind))
 
 
 def error_response(message: str, error_type: str, status: int, request: Request | None = None,
@@ -59,8 +49,8 @@ def error_response(message: str, error_type: str, status: int, request: Request 
 
 
 def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
-    """The FastAPI application serving ``engine``; with ``manage_engine`` it starts and stops
-    the engine's scheduler with the server. (Lesson 07.)"""
+    """The FastAPI application serving ``engine``, which it starts and stops if
+    ``manage_engine``. (Lesson 07.)"""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -86,7 +76,7 @@ def create_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error in the body shape of the protocol the client spoke."""
+    """Every error in the body of the protocol the client spoke."""
 
     @app.exception_handler(ApiError)
     async def api_error(request, err: ApiError):
@@ -101,8 +91,7 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(guards.ClientGone)
     async def client_gone(request, err: guards.ClientGone):
         # Nobody reads this answer; 499 (nginx's "client closed request") marks it in logs.
-        return JSONResponse({"error": "client disconnected", "error_type": "generation"},
-                            status_code=499)
+        return error_response("client disconnected", "generation", 499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err: StarletteHTTPException):
@@ -122,14 +111,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
-    """/health, /info and /metrics."""
-
     # Plain functions: FastAPI runs them in a worker thread, so that asking an engine in
-    # another process (engine_process.py) never holds up the event loop.
+    # another process never holds up the event loop.
     @app.get("/health")
     def health():
-        """200 only if the engine answers now: a process killed a moment ago still looks
-        alive until the system has reaped it, but it answers nothing."""
+        """200 only if the engine answers now (a process killed a moment ago looks alive)."""
         if app.state.runs.stopping:
             return error_response("the server is shutting down", "unavailable", 503)
         try:
@@ -146,7 +132,6 @@ def add_state_routes(app: FastAPI, engine: EngineClient) -> None:
     def info():
         from .. import server
 
-        # The limits the routes enforce are the routes' to report.
         return {**engine.info(), "max_best_of": MAX_BEST_OF,
                 "max_stop_sequences": MAX_STOP_SEQUENCES, "version": server.__version__,
                 "server": SERVER_NAME}

@@ -1,14 +1,12 @@
-"""Start the server in the background from a notebook or a test, and stop it cleanly.
-(Lesson 07.)
+"""Start the server in the background from a notebook or a test, and stop it. (Lesson 07.)
 
     server = serve_in_background(max_batch_size=16)    # waits until /health answers
     lorax.Client(server.url).generate("Jack and Jill")
     server.stop()                                      # or: with serve_in_background() as url:
 
-The server is a process of its own (``python -m helpers.server``): its scheduler does not compete
-with the notebook for the interpreter lock, and the notebook times what a real client would.
-Its standard input is a pipe from the notebook's kernel, so it ends with the kernel; running
-the cell again replaces the server it started before (servers are named, "default" by default).
+The server is a process of its own (no interpreter lock shared with the notebook, which times
+what a real client would). Its stdin is a pipe from the notebook's kernel, so it ends with the
+kernel; running the cell again replaces the server it started before under the same name.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from pathlib import Path
 from .options import DEFAULTS, command_line, describe
 from .startup import STAGE
 
-#: The servers this process started and has not stopped yet, by name.
 _RUNNING: dict[str, "BackgroundServer"] = {}
 _LOCK = threading.Lock()
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # the folder that holds helpers/
@@ -61,10 +58,8 @@ class BackgroundServer:
         return self.port is not None
 
     def wait(self, timeout: float = 120.0) -> "BackgroundServer":
-        """Wait until the server answers ``GET /health``. ``timeout`` is the most seconds one
-        stage of its start-up (``stage()``) may take, so a slow machine that is getting on is
-        waited for. ``RuntimeError`` (the stage and the server's last lines) if the server
-        exits or stays at one stage longer."""
+        """Wait until the server answers ``GET /health``; ``RuntimeError`` (with its last lines)
+        if it exits or stays longer than ``timeout`` seconds at one stage of its start-up."""
         stage, since = self.stage(), time.monotonic()
         try:
             while self.process.poll() is None:
@@ -99,7 +94,6 @@ class BackgroundServer:
         return self.process.poll() is None
 
     def healthy(self, timeout: float = 2.0) -> bool:
-        """True when the server answers ``GET /health`` with 200."""
         if self.url is None and not self._read_port():
             return False
         try:
@@ -109,7 +103,7 @@ class BackgroundServer:
             return False
 
     def logs(self, lines: int = 40) -> str:
-        """The last ``lines`` lines the server printed (until it is stopped)."""
+        """The last lines the server printed (until it is stopped)."""
         return "\n".join(self._log_lines()[-lines:])
 
     def _log_lines(self) -> list[str]:
@@ -119,7 +113,7 @@ class BackgroundServer:
             return []
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the server: close its stdin and ask it to end, then kill it if it lingers."""
+        """Close its stdin and ask it to end, then kill it if it lingers."""
         with _LOCK:
             if _RUNNING.get(self.name) is self:
                 del _RUNNING[self.name]
@@ -159,13 +153,10 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     """Start ``python -m helpers.server`` in the background, wait for ``/health``, return it.
     (Lesson 07.)
 
-    model, adapters and ``options``: the server's options (below); ``port`` None (the default
-    here) picks a free port. env: extra environment variables for the server. name: a server
-    started under a name replaces the one started before under it. wait: False returns at once
-    (call ``.wait()`` before using ``.url``). timeout: as in ``BackgroundServer.wait``.
-    ``ValueError`` for an option that does not exist or a wrong value, before starting anything;
-    ``RuntimeError`` if the server does not come up (and it is stopped). The options:
-    """
+    ``port`` None (the default here) picks a free port. env: extra environment variables.
+    name: replaces the server started before under it. wait: False returns at once (call
+    ``.wait()`` before ``.url``). ``ValueError`` for a wrong option, before starting anything;
+    ``RuntimeError`` if the server does not come up (and it is stopped). The options:"""
     options = {"model": model, "adapters": adapters, **options}
     options["port"] = options.get("port") or 0
     host = options.get("host") or DEFAULTS["host"]
@@ -199,12 +190,12 @@ def serve_in_background(model: str | None = None, adapters: str | os.PathLike | 
     return server
 
 
-# The options, listed from the table in options.py (so that help() shows them all).
+# The options, from options.py's table (help() shows them all).
 serve_in_background.__doc__ = serve_in_background.__doc__.rstrip() + "\n" + describe() + "\n"
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """True when nothing listens on (host, port): binding it succeeds. (Lesson 07.)"""
+    """True when nothing listens on (host, port). (Lesson 07.)"""
     try:
         bind(host, port).close()
     except ValueError:
@@ -213,14 +204,13 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``(host, port)``, as the server binds it before anything loads (a port
-    in use costs no model load to find); ``ValueError`` naming the flag. Clients wait until
-    ``listen``. (A closed connection's TIME_WAIT does not make a port in use, a listener does.)"""
+    """A socket bound to ``(host, port)`` before anything loads (a port in use costs no model
+    load to find); ``ValueError`` naming the flag. Clients wait until ``listen``."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    if os.name != "nt":
+    if os.name != "nt":     # a closed connection's TIME_WAIT must not hold the port
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # No Nagle delay: small replies (headers, then the body) must not wait for an ACK.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,16 +1,8 @@
 """The contract between the HTTP side and the engine: what a route submits, what comes back, and
-the interface both kinds of engine offer. (Lesson 07.) Nothing here imports torch.
+the interface both kinds of engine offer (``EngineClient``). (Lesson 07.) No torch here.
 
-    routes ──▶ Submission ──▶ engine.submit(submission, sink) ──▶ Handle (answered once)
+    routes ──▶ Submission ──▶ engine.submit(submission, sink) ──▶ Handle (or an EngineError)
     routes ◀── sink([(sequence, event), ...]) ◀── the engine, after every step
-
-``GenerationParams`` is one request's settings and ``check`` the one place they are checked
-(called by the protocol parsers at the door). A ``Submission`` is one HTTP request's prompts
-(or chat messages), each generated ``copies`` times; it is answered once, with a ``Handle`` or
-an ``EngineError``. Then come events, each for one sequence: ``PromptEvent`` (the prompt's log
-probabilities), ``TokenEvent`` (a token; on the last one also its ``Finish``), ``ErrorEvent``.
-``EngineClient`` is what the routes call: ``Engine`` (``engine.py``) and ``EngineProcess``
-(``engine_process.py``) both are one.
 """
 
 from __future__ import annotations
@@ -24,34 +16,26 @@ from .errors import InvalidRequest
 
 log = logging.getLogger("helpers.server")
 
-# --- the parameters, and their one check --------------------------------------------------
-
 #: Stop sequences one request may give (LoRAX's default limit too).
 MAX_STOP_SEQUENCES = 4
-#: Longest stop sequence, in characters. Every generated token is searched for each stop
-#: sequence, and a stream holds back as many characters as the longest one is long.
+#: Longest stop sequence, in characters: each token is searched for each, and a stream holds
+#: back as many characters as the longest one.
 MAX_STOP_CHARS = 256
-#: Alternatives per token a request may ask for (OpenAI's chat ``top_logprobs`` goes to 20).
+#: Alternatives per token (OpenAI's chat ``top_logprobs`` goes to 20).
 MAX_ALTERNATIVES = 20
-#: Seeds are 64-bit unsigned integers (what ``torch.Generator.manual_seed`` takes).
+#: What ``torch.Generator.manual_seed`` takes: a 64-bit unsigned integer.
 MAX_SEED = 2**64 - 1
-#: Adapter sources this server can load from; LoRAX also knows "s3" and "pbase".
+#: Adapter sources this server loads from; LoRAX also knows "s3" and "pbase".
 ADAPTER_SOURCES = ("local", "hub")
 KNOWN_ADAPTER_SOURCES = ("local", "hub", "s3", "pbase")
 #: Entries of logit_bias one request may give (OpenAI allows 300).
 MAX_LOGIT_BIAS = 300
 
-#: The range of each sampling parameter, and why it is there.
-#: temperature: the engine divides float32 logits by it. Logits are at most a few hundred;
-#: divided by 1e-3 they stay far below float32's 3.4e38, while 1e-38 makes them inf, and
-#: softmax of inf - inf is NaN. Below 1e-3 sampling already picks the most likely token for
-#: any logit gap above 0.03 (e^30 to 1), so the bound takes nothing away: ask for greedy
-#: (temperature 0 on OpenAI's routes, do_sample false on LoRAX's) instead.
-#: repetition_penalty: logits are divided or multiplied by it; 1e-40 is 0 in float32 (a
-#: division by zero). Useful values are 1.0 to 1.5 (the CTRL paper uses 1.2); [0.01, 100]
-#: leaves room for experiments and keeps penalty x 1/temperature x logit below 1e10.
-#: frequency/presence penalties: OpenAI's range. logit_bias: OpenAI's range (-100 bans a
-#: token, +100 forces it).
+#: Why the ranges. temperature divides float32 logits (at most a few hundred): by 1e-3 they
+#: stay far below 3.4e38, by 1e-38 they are inf (softmax: NaN); below 1e-3 sampling is greedy
+#: anyway for any logit gap above 0.03. repetition_penalty divides or multiplies logits (1e-40
+#: is 0 in float32); useful values are 1.0 to 1.5, and [0.01, 100] keeps penalty x
+#: 1/temperature x logit below 1e10. The penalties and logit_bias: OpenAI's ranges.
 MIN_TEMPERATURE = 1e-3
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)
@@ -62,21 +46,13 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 class GenerationParams:
     """One request's generation settings, in the engine's terms. (Lesson 07.)
 
-    max_new_tokens None means "the server's default". Sampling is on when ``do_sample`` is set
-    or when any of temperature / top_k / top_p / typical_p / min_p is given (as in TGI and
-    LoRAX);
-    otherwise decoding is greedy. ``grammar`` constrains the output: ``("json", schema)``
-    (JSON mode) or ``("regex", pattern)``; None is free text. A matched stop sequence stays
-    in the text (as in LoRAX); the OpenAI route cuts the text before it.
-
-    max_new_tokens 0 generates nothing (with ``prompt_logprobs``: score the prompt only, the
-    loglikelihood request of evaluation harnesses). ``prompt_logprobs`` asks for every prompt
-    token's log probability (LoRAX/TGI ``decoder_input_details``, OpenAI ``echo`` with
-    ``logprobs``). The penalties follow OpenAI: ``frequency_penalty`` is subtracted from a
-    token's logit once per time it was generated so far, ``presence_penalty`` once if it was;
-    ``logit_bias`` adds a fixed amount to listed token ids. ``min_p`` (vLLM's and
-    transformers') keeps only the tokens at least ``min_p`` times as likely as the likeliest.
-    """
+    max_new_tokens None: the server's default; 0 generates nothing (with ``prompt_logprobs``,
+    every prompt token's log probability: the loglikelihood request of evaluation harnesses).
+    Any of temperature / top_k / top_p / typical_p / min_p turns sampling on, as in TGI.
+    ``grammar``: ``("json", schema)``, ``("regex", pattern)`` or None. A matched stop sequence
+    stays in the text (as in LoRAX; the OpenAI route cuts it). The penalties follow OpenAI:
+    ``frequency_penalty`` once per time a token was generated, ``presence_penalty`` once if it
+    was; ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest."""
 
     max_new_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -104,25 +80,20 @@ class GenerationParams:
 
     @property
     def sampling(self) -> bool:
-        """True when the next token is drawn at random (else: the most likely one)."""
-        return bool(self.do_sample or self.temperature is not None or self.top_k is not None
-                    or self.top_p is not None or self.typical_p is not None
-                    or self.min_p is not None)
+        return bool(self.do_sample) or any(getattr(self, name) is not None for name in
+                                           ("temperature", "top_k", "top_p", "typical_p", "min_p"))
 
     def greedy_if_zero(self) -> "GenerationParams":
-        """Temperature 0 means "always the most likely token" (OpenAI, vLLM, TGI's clients):
-        the same as greedy decoding, on every route."""
-        if self.temperature is not None and self.temperature == 0:
+        """Temperature 0 is greedy decoding (as in OpenAI, vLLM, TGI's clients)."""
+        if self.temperature == 0:
             self.temperature, self.do_sample = None, False
             self.top_k = self.top_p = self.typical_p = self.min_p = None
         return self
 
     def check(self, prefix: str = "") -> "GenerationParams":
-        """Every range of every parameter, in one place; ``InvalidRequest`` naming the field
-        (``prefix`` + its name, e.g. ``parameters.top_p``) otherwise. The bounds that keep
-        the sampler's float32 arithmetic finite are explained with the constants above. What
-        depends on the model (token ids in its vocabulary: the prompt's, ``logit_bias``'s) is
-        the engine's to check, in ``admission.py``."""
+        """Every range of every parameter, in one place: ``InvalidRequest`` naming the field
+        (``prefix`` + its name, e.g. ``parameters.top_p``). What depends on the model (token
+        ids in its vocabulary) is ``admission.py``'s to check."""
         def bad(name: str, rule: str, value) -> InvalidRequest:
             return InvalidRequest(f"`{prefix}{name}` {rule}, got {value!r}")
 
@@ -182,8 +153,6 @@ class GenerationParams:
 
     def _check_logit_bias(self, prefix: str) -> None:
         bias = self.logit_bias
-        if not bias:
-            return
         where = f"`{prefix}logit_bias`"
         if len(bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"{where} may hold at most {MAX_LOGIT_BIAS} tokens, got "
@@ -198,17 +167,13 @@ class GenerationParams:
                                      f"between {low:g} and {high:g}, got {value!r}")
 
 
-# --- what a route submits, and what it gets back --------------------------------------------
-
 Prompt = Union[str, list[int]]
 
 
 @dataclass
 class Submission:
-    """One HTTP request for the engine: ``prompts`` (texts, or token ids), or a chat's
-    ``messages`` (``[{"role", "content"}]``, written out with the model's chat template in
-    the engine), each generated ``copies`` times (``best_of``; each copy samples with its
-    own seed)."""
+    """One HTTP request: ``prompts`` (texts, or token ids) or a chat's ``messages`` (for the
+    model's chat template), each generated ``copies`` times (``best_of``; each its own seed)."""
 
     params: GenerationParams
     prompts: list[Prompt] = field(default_factory=list)
@@ -219,7 +184,7 @@ class Submission:
 @dataclass
 class Finish:
     """How a sequence ended. reason: "length", "eos_token" or "stop_sequence"; stop_at: where
-    the matched stop sequence starts in ``text`` (else None); seconds: since submission."""
+    the stop sequence starts in ``text``; seconds: since submission."""
 
     reason: str
     text: str
@@ -239,9 +204,8 @@ class PromptEvent:
 
 @dataclass
 class TokenEvent:
-    """One generated token (a dict: id, text, logprob, special[, alternative_tokens]).
-    ``finish`` is set on a sequence's last token. With ``max_new_tokens`` 0 the one event
-    has ``token`` None."""
+    """One generated token (id, text, logprob, special[, alternative_tokens]); ``finish`` on
+    the last (with ``max_new_tokens`` 0, the one event, ``token`` None)."""
 
     token: dict | None
     finish: Finish | None = None
@@ -257,23 +221,15 @@ class ErrorEvent:
 
 
 Event = Union[PromptEvent, TokenEvent, ErrorEvent]
-#: Where a submission's events go: called with ``[(sequence, event), ...]`` (``sequence``:
-#: which of the submission's prompts x copies, in order; None for an error that ends the
-#: whole submission), from the engine's thread or the thread reading the engine's process.
+#: Where a submission's events go: ``[(sequence, event), ...]``, ``sequence`` counting its
+#: prompts x copies (None: an error that ends them all).
 Sink = Callable[[list], None]
-
-
-def is_last(event: Event) -> bool:
-    """Whether ``event`` is the last one of its sequence."""
-    return isinstance(event, ErrorEvent) or (isinstance(event, TokenEvent)
-                                             and event.finish is not None)
 
 
 @dataclass(eq=False)
 class Handle:
-    """A submission the engine accepted. ``prompts`` holds each prompt as the engine read it
-    (its text, a token-id prompt decoded); ``sequences`` counts prompts x copies; ``seeds``
-    the seed of each sequence (None: greedy)."""
+    """A submission the engine accepted: ``prompts`` as the engine read them (token ids
+    decoded), ``sequences`` (prompts x copies) and their ``seeds`` (None: greedy)."""
 
     id: int
     prompts: list[str]
@@ -290,14 +246,15 @@ class Handle:
 
     def count(self, event: Event) -> bool:
         """Count ``event`` if it ends one of the sequences; True if it ended the last one."""
-        if not is_last(event):
+        if not (isinstance(event, ErrorEvent)
+                or isinstance(event, TokenEvent) and event.finish is not None):
             return False
         self.done += 1
         return self.finished
 
     def deliver(self, events: list) -> None:
-        """Hand ``[(sequence, event), ...]`` to the sink, unless the submission was cancelled.
-        A sink that fails (its event loop is closed) loses its own events and nobody else's."""
+        """Events to the sink, unless cancelled. A sink that fails (its event loop closed)
+        loses its own events, nobody else's."""
         if self.sink is None or self.cancelled:
             return
         try:
@@ -307,11 +264,8 @@ class Handle:
 
 
 def deliver(items: list, forget=lambda handle: None) -> None:
-    """One step's events to their submissions' sinks: ``items`` is ``[(handle, sequence,
-    event), ...]``. Each handle counts the sequences that finished and gets one call with its
-    events, in order; a handle whose last sequence finished is first ``forget``-ed, so that
-    nothing holds it once its client has its last event. (The engine's thread calls it, and so
-    does the HTTP process for the events of the engine's process.)"""
+    """One step's ``[(handle, sequence, event), ...]``: one sink call per handle, its events in
+    order; a handle whose last sequence finished is first ``forget``-ed."""
     by_handle: dict[Handle, list] = {}
     for handle, sequence, event in items:
         if handle.count(event):
@@ -322,9 +276,8 @@ def deliver(items: list, forget=lambda handle: None) -> None:
 
 
 class EngineClient(Protocol):
-    """What the HTTP side uses of an engine: ``Engine`` and ``EngineProcess`` both offer it.
-    ``submit`` blocks (call it from a worker thread) and raises ``errors.EngineError``;
-    ``cancel`` drops a submission whose client went away; ``tokenize`` is TGI's /tokenize."""
+    """What the HTTP side uses of an engine (``Engine`` and ``EngineProcess``). ``submit``
+    blocks (call it from a worker thread) and raises ``errors.EngineError``."""
 
     model_id: str
     kv_cache: str

@@ -1,11 +1,7 @@
-"""The engine in a process of its own, so that the model never waits for the HTTP side.
-(Lesson 07.)
-
-Python runs one thread of a process at a time (the global interpreter lock): sharing a
-process with the event loop, the scheduler waits while each token is written to a client (on
-a 2-core CPU a single stream got about 60 % of the bare decode loop's tokens per second).
-vLLM (its "engine core") and SGLang run the model in a process of its own for this reason,
-and so does this server unless told ``--engine thread``:
+"""The engine in a process of its own (unless ``--engine thread``), as in vLLM and SGLang, so
+that the model never waits for the HTTP side: Python runs one thread at a time, and sharing the
+event loop's process, a 2-core CPU's single stream got about 60 % of the bare decode loop's
+speed. (Lesson 07.)
 
     HTTP process (uvicorn)                              engine process
     routes ── Question("submit", submission) ───────────▶  command loop ──▶ Engine.submit
@@ -13,16 +9,14 @@ and so does this server unless told ``--engine thread``:
     reader thread  ◀──────── Events, one message per step ── Engine.deliver
       └─▶ each submission's sink
 
-The two processes talk over a ``multiprocessing`` pipe, in the small dataclasses below; every
-question the HTTP side asks (a submission, the counters, ``/tokenize``) is one ``Question``,
-answered once. The HTTP process holds no model and no tokenizer: it imports neither torch nor
-transformers. ``EngineProcess`` is a ``contract.EngineClient``, as ``Engine`` is, so the routes
-do not know which one they talk to; when the engine process dies, the requests in flight fail
-with a 503 that says so, and the supervisor (``supervisor.py``) starts a new one.
+The HTTP process imports neither torch nor transformers, and its routes cannot tell an
+``EngineProcess`` from an ``Engine``. When the engine process dies, the requests in flight get
+a 503 and ``supervisor.py`` starts a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -38,24 +32,22 @@ from dataclasses import dataclass
 from . import errors, startup
 from .contract import Handle, Sink, Submission, deliver
 from .options import ENGINE_OPTIONS, check, device, torch_threads
-from .supervisor import START_TIMEOUT, Supervisor
+from .supervisor import START_TIMEOUT, STOPPED, Supervisor
 
 log = logging.getLogger("helpers.server")
 
-#: Threads of the engine process that admit submissions (tokenize, load an adapter, compile a
-#: grammar) while the scheduler runs.
+#: Threads that admit submissions (tokenize, load an adapter, compile a grammar).
 SUBMIT_WORKERS = 8
-#: How long a thread waits for Python's lock before the running one must give it up (Python's
-#: default is 5 ms): the command loop must answer within a fraction of a decode step.
+#: Python's thread switch interval (default 5 ms): the command loop must answer within a
+#: fraction of a decode step.
 SWITCH_INTERVAL = 0.0005
-#: How long the HTTP side waits for an answer before it gives up with a 503 (a submission
-#: may download an adapter).
+#: Seconds the HTTP side waits for an answer before a 503 (a submission may download an adapter).
 ANSWER_SECONDS = {"ask": 10.0, "submit": 300.0}
-#: The engine process says it is alive every HEARTBEAT seconds; after SILENCE seconds without
-#: a word from it, the HTTP side reports it unhealthy (a stopped or hung process).
+#: The engine process says it is alive every HEARTBEAT seconds; silent for SILENCE seconds,
+#: it is reported unhealthy (stopped or hung).
 HEARTBEAT = 1.0
 SILENCE = 10.0
-#: The engine's attributes that the HTTP side reads (the routes and app.py).
+#: The engine's attributes that the HTTP side reads.
 LIMITS = ("model_id", "kv_cache", "max_batch_size", "max_queue", "max_input_tokens",
           "max_total_tokens", "max_prompt_chars", "default_max_new_tokens", "vocab_size",
           "special_ids")
@@ -105,9 +97,8 @@ class Alive:                  # engine -> HTTP: the heartbeat, the counters, a s
 
 
 def build_engine(settings: dict):
-    """Load the model and make the engine the settings ask for (not started): the server's
-    options, ``adapters_dir`` (None: the course's) and ``model_id``. Every setting is judged
-    (``options.check``) before the model loads: ``ValueError`` for one that makes no sense."""
+    """The engine (not started) for the server's options, ``adapters_dir`` (None: the course's)
+    and ``model_id``; ``ValueError`` (``options.check``) before the model loads."""
     import torch
 
     from ..models import load_model
@@ -122,7 +113,7 @@ def build_engine(settings: dict):
     model, tokenizer = load_model(judged["model"], device=where, dtype=judged["dtype"])
     startup.report("model loaded in %.1f s", time.monotonic() - began)
     torch.set_num_threads(torch_threads(judged["threads"], where))
-    if adapters_dir is None:                      # the course's shipped adapters
+    if adapters_dir is None:
         from ..lora import ADAPTERS_DIR as adapters_dir
     options = {name: judged[name] for name in ENGINE_OPTIONS}
     if judged["kv_cache"] == "paged":             # the paged layout's runner (lesson 10)
@@ -134,9 +125,9 @@ def build_engine(settings: dict):
 # --- the engine process -----------------------------------------------------------------------
 
 def run_engine_process(conn, settings: dict) -> None:
-    """The engine process: build the engine, say ``Ready`` (or why not), then serve calls until
-    told to stop or until the HTTP process goes away. Ctrl-C and a SIGTERM sent to the whole
-    process group are left to the HTTP process: it drains its requests, then sends ``Stop``."""
+    """The engine process: build the engine, say ``Ready`` (or why not), then serve until told
+    to stop or the HTTP process goes away. Ctrl-C and SIGTERM are the HTTP process's to handle:
+    it drains its requests, then sends ``Stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=settings["log_level"].upper(),
@@ -170,17 +161,13 @@ class _EngineSide:
         self.pool = ThreadPoolExecutor(SUBMIT_WORKERS, thread_name_prefix="submit")
         self._send_lock = threading.Lock()
         engine.deliver = self.deliver                # every step's events: one message
-        #: What the HTTP side may call, and who answers.
         self.questions = {"submit": self.submit, "snapshot": self.snapshot, "info": engine.info,
                           "adapters_available": engine.adapters_available,
                           "adapters_loaded": engine.adapters_loaded, "tokenize": engine.tokenize}
 
     def send(self, message) -> None:
-        with self._send_lock:
-            try:
-                self.conn.send(message)
-            except (OSError, ValueError):     # the HTTP process is gone; serve() ends too
-                pass
+        with self._send_lock, contextlib.suppress(OSError, ValueError):   # the HTTP side is gone
+            self.conn.send(message)
 
     def serve(self) -> None:
         next_beat = 0.0
@@ -211,18 +198,15 @@ class _EngineSide:
             self.send(Stop())
 
     def _answer(self, message: Question) -> None:
-        """Answer the call with its function's result, or with its error."""
         try:
             self.send(Answer(message.call, True, self.questions[message.question](*message.args)))
         except errors.EngineError as err:
             self.send(Answer(message.call, False, (type(err).__name__, err.message)))
         except Exception as err:            # a bug: the HTTP side answers 500, the log says why
             log.error("the engine process failed on a request:\n%s", traceback.format_exc())
-            self.send(Answer(message.call, False, ("RuntimeError", f"{type(err).__name__}: "
-                                                                   f"{err}")))
+            self.send(Answer(message.call, False, ("RuntimeError", f"{type(err).__name__}: {err}")))
 
     def snapshot(self) -> dict:
-        """The engine's counters, and the submissions this process still keeps."""
         return {**self.engine.snapshot(), "submissions_held": len(self.handles)}
 
     def submit(self, number: int, submission: Submission) -> tuple:
@@ -246,10 +230,8 @@ class _EngineSide:
 # --- the HTTP process's side --------------------------------------------------------------------
 
 class EngineProcess(Supervisor):
-    """An ``Engine`` in a process of its own, seen from the HTTP process, and restarted when
-    it dies (``supervisor.py``). (Lesson 07.) ``settings``: ``build_engine``'s. ``start()``
-    starts the process and waits until the model is loaded (``ValueError`` if the engine
-    refuses its settings, ``RuntimeError`` if it fails otherwise)."""
+    """An ``Engine`` in a process of its own (``settings``: ``build_engine``'s), seen from the
+    HTTP process and restarted when it dies (``supervisor.py``). (Lesson 07.)"""
 
     def __init__(self, settings: dict, start_timeout: float = START_TIMEOUT, on_give_up=None):
         super().__init__(run_engine_process, settings, start_timeout, on_give_up)
@@ -258,10 +240,8 @@ class EngineProcess(Supervisor):
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._process is not None:
-            try:
+            with contextlib.suppress(OSError, ValueError):     # it is gone already
                 self._send(Stop())
-            except (OSError, ValueError):     # it is gone already
-                pass
         super().stop(timeout)
 
     @property
@@ -270,22 +250,19 @@ class EngineProcess(Supervisor):
                 and self._failure is None and not self._stopping and not self._restarting
                 and time.monotonic() - self._heard < SILENCE)
 
-    # --- what the routes call (contract.EngineClient) -----------------------------------------
-
     def submit(self, submission: Submission, sink: Sink) -> Handle:
-        """``Engine.submit``, in the engine process: one message, answered once. Blocks: call
-        it from a worker thread. The events go to ``sink`` from the reader thread."""
+        """``Engine.submit`` in the engine process (blocks); events reach ``sink`` from the
+        reader thread."""
         number = next(self._numbers)
         handle = Handle(number, [], 0, [], sink)      # completed by the answer
         with self._lock:
             self._handles[number] = handle    # events may come before the answer does
         try:
-            prompts, sequences, seeds = self._call("submit", number, submission,
-                                                   late=lambda _: self._send(Cancel(number)))
+            handle.prompts, handle.sequences, handle.seeds = self._call(
+                "submit", number, submission, late=lambda _: self._send(Cancel(number)))
         except BaseException:
             self._forget(handle)
             raise
-        handle.prompts, handle.sequences, handle.seeds = prompts, sequences, seeds
         if handle.finished:
             self._forget(handle)
         return handle
@@ -295,10 +272,8 @@ class EngineProcess(Supervisor):
             return
         handle.cancelled = True
         self._forget(handle)                            # its client is gone: no more events
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the engine process is gone already
             self._send(Cancel(handle.id))
-        except (OSError, ValueError):     # the engine process is gone: nothing runs anyway
-            pass
 
     def info(self) -> dict:
         return {**self._call("info"), "engine": "process", "engine_restarts": self.restarts}
@@ -317,18 +292,17 @@ class EngineProcess(Supervisor):
             self._conn.send(message)
 
     def _call(self, question: str, *args, late=None):
-        """Call ``question`` in the engine process and wait for its answer (``ANSWER_SECONDS``
-        at most); raise its error, or ``Unavailable`` if no answer came. ``late(value)`` runs
-        if a good answer comes later: it undoes what nobody waits for any more."""
-        kind = "submit" if question == "submit" else "ask"
-        stopped = errors.Unavailable("the server is not running (its engine process stopped)")
+        """Ask the engine process and wait for its answer; raise its error, or ``Unavailable`` if
+        none came in time. ``late(value)`` undoes a good answer that comes after that."""
+        seconds = ANSWER_SECONDS["submit" if question == "submit" else "ask"]
+        stopped = errors.Unavailable(STOPPED)
         if not self.healthy:
             raise stopped
         call = next(self._call_ids)
         future: Future = Future()
         with self._lock:
             self._calls[call] = future
-        deadline = time.monotonic() + ANSWER_SECONDS[kind]
+        deadline = time.monotonic() + seconds
         try:
             self._send(Question(call, question, args))
         except (OSError, ValueError):
@@ -347,17 +321,14 @@ class EngineProcess(Supervisor):
                         future.add_done_callback(
                             lambda done: done.result()[0] and late(done.result()[1]))
                     raise errors.Unavailable(f"the server's engine did not answer within "
-                                             f"{ANSWER_SECONDS[kind]:g} s") from None
+                                             f"{seconds:g} s") from None
         if ok:
             return value
-        error, text = value
-        kind_of_error = getattr(errors, error, None)
-        if isinstance(kind_of_error, type) and issubclass(kind_of_error, errors.EngineError):
-            raise kind_of_error(text)
-        raise RuntimeError(text)
+        error, text = value                 # an EngineError's name, or "RuntimeError"
+        raise getattr(errors, error, RuntimeError)(text)
 
     def _read(self) -> None:
-        """The reader thread: the engine process's answers and events, until it ends."""
+        """The reader thread: the engine process's messages, until it ends."""
         crashed = False
         try:
             while True:
@@ -365,8 +336,15 @@ class EngineProcess(Supervisor):
                 self._heard = time.monotonic()
                 if isinstance(message, Alive):
                     self._heard_counters(message.counters)
-                elif isinstance(message, Events):
-                    self._deliver(message.items)
+                    if message.failure and not self._failure:
+                        self._failure = message.failure
+                        log.error("the engine process reports: %s", message.failure)
+                elif isinstance(message, Events):     # to the submissions not cancelled
+                    with self._lock:
+                        known = [(self._handles[number], sequence, event)
+                                 for number, sequence, event in message.items
+                                 if number in self._handles]
+                    deliver(known, forget=self._forget)
                 elif isinstance(message, Answer):
                     with self._lock:
                         future = self._calls.pop(message.call, None)
@@ -374,9 +352,6 @@ class EngineProcess(Supervisor):
                         future.set_result((message.ok, message.value))
                 elif isinstance(message, Stop):
                     break
-                if isinstance(message, Alive) and message.failure and not self._failure:
-                    self._failure = message.failure
-                    log.error("the engine process reports: %s", message.failure)
         except (EOFError, OSError):
             crashed = not self._stopping
             if crashed:
@@ -386,13 +361,6 @@ class EngineProcess(Supervisor):
             self._fail_everything(crashed)
         if crashed:
             self._restart()
-
-    def _deliver(self, items: list) -> None:
-        """One step's events, to their submissions' sinks (those not cancelled meanwhile)."""
-        with self._lock:
-            known = [(self._handles[number], sequence, event)
-                     for number, sequence, event in items if number in self._handles]
-        deliver(known, forget=self._forget)
 
     def _forget(self, handle) -> None:
         with self._lock:

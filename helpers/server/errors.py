@@ -1,13 +1,11 @@
-"""The engine's own errors, in the engine's terms: the HTTP side maps each kind to a status and
-a body in the client's protocol, so the same engine could sit behind another front end. (Lesson 07.)
-"""
+"""The engine's own errors, never HTTP statuses: ``app.py`` maps each kind to one. (Lesson 07.)"""
 
 from __future__ import annotations
 
 
 class EngineError(Exception):
-    """A request the engine will not or cannot serve. ``message`` is safe to show a client:
-    it names what is wrong and never holds a traceback or a path on the server's disk."""
+    """A request the engine will not or cannot serve; ``message`` is safe to show a client (no
+    traceback, no path on the server's disk)."""
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -35,5 +33,4 @@ class Unavailable(EngineError):
 
 
 class GenerationFailed(EngineError):
-    """The engine accepted the request but could not finish it (the model raised, a file on
-    the server is broken). The operator's problem, not the client's."""
+    """The engine accepted the request but could not finish it (the operator's problem)."""

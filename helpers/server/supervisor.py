@@ -1,12 +1,9 @@
 """The supervisor of the engine's process: it starts the process, waits until the model is
-loaded, and starts it again when it dies. (Lesson 07.)
+loaded, and starts it again when it dies (killed, out of memory). (Lesson 07.)
 
-``EngineProcess`` (``engine_process.py``: the pipe, and what the routes call) is a
-``Supervisor``. When the engine process dies (killed, out of memory), its reader thread says
-so (``_crashed``); the supervisor starts a new one after a pause that doubles with each crash,
-and gives up after ``MAX_RESTARTS`` crashes within ``RESTART_WINDOW`` seconds: it calls
-``on_give_up(message)`` (the server then exits with status 1). The counters of the processes
-that died are carried over, so that ``/metrics`` never goes down.
+``EngineProcess`` (``engine_process.py``) is a ``Supervisor``. Too many crashes in a row and it
+gives up: ``on_give_up(message)`` (the server then exits with status 1). The counters of the
+processes that died are carried over, so that ``/metrics`` never goes down.
 """
 
 from __future__ import annotations
@@ -21,21 +18,21 @@ from .contract import ErrorEvent, Handle
 
 log = logging.getLogger("helpers.server")
 
-#: How long the HTTP process waits for the engine process to load the model.
+#: Seconds the HTTP process waits for the engine process to load the model.
 START_TIMEOUT = 600.0
-#: Restarts after a crash: the first after RESTART_PAUSE seconds, each next one after twice
-#: the pause before; more than MAX_RESTARTS crashes within RESTART_WINDOW seconds: give up.
+#: The first restart comes after RESTART_PAUSE seconds, each next one after twice the pause
+#: before; more than MAX_RESTARTS crashes within RESTART_WINDOW seconds: give up.
 RESTART_PAUSE = 1.0
 MAX_RESTARTS = 3
 RESTART_WINDOW = 300.0
+STOPPED = "the server is not running (its engine process stopped)"
 
 
 class Supervisor:
-    """Runs ``target(conn, settings)`` in a process of its own, seen from the HTTP process.
-    ``start()`` starts it and waits for its first message, ``Ready`` (``ValueError`` if it
-    refused its settings, ``RuntimeError`` if it failed otherwise); the subclass reads the
-    rest (``_read``, in a thread), talks to it and keeps what waits for it (``_calls``,
-    ``_handles``): when the process is gone, ``_fail_everything`` answers them all."""
+    """Runs ``target(conn, settings)`` in a process of its own. ``start()`` waits for its first
+    message, ``Ready`` (``ValueError`` if it refused its settings, ``RuntimeError`` if it
+    failed otherwise). The subclass reads the rest (``_read``, in a thread) and keeps what
+    waits for an answer (``_calls``, ``_handles``), which ``_fail_everything`` ends."""
 
     def __init__(self, target, settings: dict, start_timeout: float = START_TIMEOUT,
                  on_give_up=None):
@@ -50,16 +47,13 @@ class Supervisor:
         self._restarting = False
         self._stopping = False
         self._process = None
-        #: The counters of the processes that died, and the latest ones heard from the
-        #: running one: a restart never sets /metrics back.
-        self._carried: dict = {}
-        self._latest: dict = {}
+        self._carried: dict = {}              # the counters of the processes that died
+        self._latest: dict = {}               # the latest ones heard from the running one
         self._cut = 0                         # sequences a crash ended (counted as failed)
         self._handles: dict[int, Handle] = {}     # submissions in flight, by number
         self._calls: dict[int, Future] = {}       # calls waiting for their answer
 
     def start(self):
-        """Start the process, unless it runs already, and wait until it is ready."""
         if self._process is None:
             try:
                 self._start_process()
@@ -81,10 +75,10 @@ class Supervisor:
         self._process.start()
         child_conn.close()
         deadline = time.monotonic() + self.start_timeout
+        died = "the engine process exited with code {} before it was ready"
         while not self._conn.poll(0.5):
             if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited with code "
-                                   f"{self._process.exitcode} before it was ready")
+                raise RuntimeError(died.format(self._process.exitcode))
             if time.monotonic() > deadline:
                 self._process.kill()
                 raise RuntimeError(f"the engine process was not ready within "
@@ -93,8 +87,7 @@ class Supervisor:
             ready = self._conn.recv()
         except EOFError:                  # it died without a word (its log says why)
             self._process.join(10)
-            raise RuntimeError(f"the engine process exited with code "
-                               f"{self._process.exitcode} before it was ready") from None
+            raise RuntimeError(died.format(self._process.exitcode)) from None
         if ready.error is not None:
             self._process.join(10)
             error, text = ready.error
@@ -108,7 +101,7 @@ class Supervisor:
         self._reader.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Wait for the process to end (told by the subclass), killing it if it lingers."""
+        """Wait for the process to end (the subclass tells it to), killing it if it lingers."""
         self._stopping = True
         if self._process is None:             # never started
             return
@@ -121,8 +114,7 @@ class Supervisor:
             reader.join(timeout)
 
     def snapshot(self) -> dict:
-        """The running engine's counters plus those of the processes that died before it,
-        and every sequence a crash cut counted as failed: they never go down."""
+        """The counters of every engine process so far (a sequence a crash cut: failed)."""
         now = self._call("snapshot")
         if self._process.is_alive():      # not a dead engine's, already carried
             self._heard_counters(now)
@@ -135,7 +127,7 @@ class Supervisor:
             self._latest = metrics.combine(self._latest, counters, max)
 
     def _crashed(self) -> None:
-        """The reader found the pipe closed without a goodbye: carry the counters over."""
+        """The pipe closed without a goodbye: carry the counters over."""
         self._process.join(1)
         log.error("the engine process ended (exit code %s)", self._process.exitcode)
         with self._lock:
@@ -143,17 +135,15 @@ class Supervisor:
             self._latest = {}
 
     def _fail_everything(self, crashed: bool) -> None:
-        """The engine process is gone: every call and submission waiting for it gets an error."""
+        """The engine process is gone: everything waiting for it gets an error."""
         with self._lock:
             calls, self._calls = self._calls, {}
             handles = list(self._handles.values())
             self._handles.clear()
         for future in calls.values():
             if not future.done():
-                future.set_result((False, ("Unavailable", "the server is not running (its "
-                                           "engine process stopped)")))
-        why = ("the server's engine process stopped; it is being restarted" if crashed
-               else "the server's engine process stopped")
+                future.set_result((False, ("Unavailable", STOPPED)))
+        why = "the server's engine process stopped" + ("; it is being restarted" if crashed else "")
         if crashed:
             self._cut += sum(h.sequences - h.done for h in handles if h.sequences)
         for handle in handles:      # one error ends the whole submission (sequence: None)
@@ -161,8 +151,8 @@ class Supervisor:
             handle.deliver([(None, ErrorEvent(why, status=503, error_type="unavailable"))])
 
     def _restart(self) -> None:
-        """After a crash: a new process, after a pause that doubles with each crash in the
-        window (a restart that fails counts as one more); or give up."""
+        """After a crash: a new process after a pause (a restart that fails is one more crash),
+        or give up."""
         while not self._stopping:
             now = time.monotonic()
             self._crashes = [t for t in self._crashes if now - t < RESTART_WINDOW] + [now]
