@@ -4,10 +4,7 @@
 ``Grammars(tokenizer).compile(kind, value)`` returns a ``Compiled`` grammar, shared by the
 requests that ask for it; ``Compiled.matcher()`` follows one request. The engine is llguidance
 (vLLM's and SGLang's): it parses as the text is written, so compiling costs about as much as
-reading the schema. Whatever a request asks, the grammar's size and depth, llguidance's work
-(``parser_limits()``), the compiles and the cache stay within the server's limits. JSON
-objects that list their ``properties`` are closed, or a small model writes extra keys until
-its budget ends.
+reading the schema. Grammars, compiles and the cache stay within the server's limits.
 
 The budget: a matcher's *closer* finds a short completion from where the text is. Within
 ``MARGIN`` tokens of the budget, only tokens from which the closer still finishes in time are
@@ -91,21 +88,19 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 def closed_objects(schema):
     """A copy of ``schema`` where objects that list ``properties`` and say nothing of others
-    get ``additionalProperties: false``; ``{"type": "object"}`` stays open."""
+    get ``additionalProperties: false`` (or a small model writes extra keys until its budget
+    ends); ``{"type": "object"}`` stays open."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _ONE:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(item) for item in out[key]]
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and "patternProperties" not in out):
+    for key, item in schema.items():
+        if key in _MAP and isinstance(item, dict):
+            out[key] = {name: closed_objects(one) for name, one in item.items()}
+        elif key in _LIST and isinstance(item, list):
+            out[key] = [closed_objects(one) for one in item]
+        elif key in _ONE:
+            out[key] = closed_objects(item)
+    if "properties" in out and not {"additionalProperties", "patternProperties"} & out.keys():
         out["additionalProperties"] = False
     return out
 

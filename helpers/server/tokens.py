@@ -1,17 +1,14 @@
 """Client text to tokens, never to special tokens, and tokens back to text as they come.
 (Lesson 07.)
 
-A tokenizer reads the text of its special tokens anywhere, so a client typing
-``<|endoftext|>`` or ``<|im_start|>`` in a prompt would end the text or forge a turn. Here
-client text is always tokenized as text; a chat template's own special tokens stay special.
-transformers' switch (``split_special_tokens=True``) sets ``encode_special_tokens`` on the
-tokenizer's *shared* Rust object at every call, where two threads change it under each other,
-so this module keeps private copies, each set once and then only read: no lock needed.
+A tokenizer reads its special tokens' text anywhere: a client typing ``<|im_start|>`` would
+forge a turn. Here client text is tokenized as text, while a chat template's own special
+tokens stay special, by private copies of the Rust tokenizer set once and then only read
+(transformers' ``split_special_tokens=True`` sets the *shared* one at each call, where two
+threads change it under each other).
 
-The way out (``IncrementalDecoder``) decodes a small window, as TGI and vLLM do: decoding the
-whole answer at every token costs n²/2 token decodes, and the last token alone may hold half
-a character. The window is the tokens not handed out yet plus a few before them as context;
-its text minus the context's is the new text, held back while it ends in U+FFFD.
+``IncrementalDecoder`` decodes a small window, as TGI and vLLM do: the whole answer at each
+token costs n²/2 token decodes, and the last token alone may hold half a character.
 """
 
 from __future__ import annotations
@@ -209,9 +206,10 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDecoder:
-    """The text of a growing list of tokens, a piece per token (``add``; '' while a character
-    is incomplete), then ``flush()`` at the end. ``text`` is everything handed out; after
-    ``flush()`` it is what ``tokenizer.decode(ids)`` gives. (Lesson 07.)"""
+    """The text of a growing list of tokens, a piece per token (``add``), then ``flush()`` at
+    the end; ``text`` is then what ``tokenizer.decode(ids)`` gives. The window: the tokens not
+    handed out yet, after a few as context; its text minus the context's is the new text, held
+    back ('') while it ends inside a character (U+FFFD). (Lesson 07.)"""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         if not callable(getattr(tokenizer, "decode", None)):
