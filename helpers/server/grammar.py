@@ -141,10 +141,9 @@ class Matcher:
         self._look_at = budget - 1          # from here on, at every token
         eos = self.compiled.eos_id
         keep = torch.zeros_like(allowed)
-        if not ending:                                      # complete now: end it here
-            keep[eos] = True
+        keep[ending[0] if ending else eos] = True           # complete now: end it here
+        if not ending:
             return keep
-        keep[ending[0]] = True
         scores = logits_row.detach().float().cpu()[: allowed.numel()]
         scores = scores.masked_fill(~allowed, float("-inf"))
         scores[eos] = float("-inf")
@@ -172,9 +171,6 @@ class Compiled:
     ``max_new_tokens`` is refused; None: budget-free). ``nbytes``: the cache's estimate of its
     memory (llguidance took 6-470 kB for schemas of 0.1-9 kB on the bundled tokenizer)."""
 
-    BASE_BYTES = 64 << 10
-    BYTES_PER_CHARACTER = 40
-
     def __init__(self, grammars: "Grammars", kind: str, key: str, state):
         self.kind = kind
         self.key = key
@@ -182,7 +178,7 @@ class Compiled:
         self._grammars = grammars
         self._start = state                 # never advanced: each matcher is a copy
         self._lock = threading.Lock()
-        self.nbytes = self.BASE_BYTES + self.BYTES_PER_CHARACTER * len(key)
+        self.nbytes = (64 << 10) + 40 * len(key)
         ending = self.closer(state, time.thread_time() + CLOSER_COMPILE_SECONDS)
         self.min_tokens = None if ending is None else len(ending)
 
@@ -214,9 +210,7 @@ class Compiled:
             used[token] = used.get(token, 0) + 1
             taken.append(token)
             state.consume_token(token)
-        if state.is_error() or not state.is_accepting():
-            return None
-        return taken
+        return taken if state.is_accepting() and not state.is_error() else None
 
 
 class Grammars:

@@ -141,5 +141,4 @@ class Metrics:
             self.histograms).decode()
 
 
-#: The content type of Prometheus' text format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

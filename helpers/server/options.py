@@ -89,14 +89,12 @@ _BY_NAME = {option.name: option for option in OPTIONS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per option to ``parser``."""
     for option in OPTIONS:
         parser.add_argument(option.flag, type=option.type, default=option.default,
                             choices=option.choices or None, help=_help(option))
 
 
 def _help(option: Option) -> str:
-    """The option's help, with its default when it has one."""
     return option.help if option.default is None else f"{option.help} (default: {option.default})"
 
 

@@ -55,16 +55,12 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of ``messages`` in the tokenizer's chat template: the template's text as
-    usual, each message's ``content`` as client text.
-
-    The template is applied to the messages and to copies whose contents are random markers:
-    cut at the markers, the second gives the template's pieces; with the contents put back
-    (as they are, or stripped, as ``| trim`` does) they must give the first, and each piece
-    is tokenized alone (as transformers 5.23's ``sanitize_control_tokens=True`` does). A
-    template that changes contents otherwise is tokenized whole, accepted only if its special
-    tokens are exactly the template's own. A BOS the template writes goes if the tokenizer
-    adds one."""
+    """The token ids of ``messages`` in the chat template: the template's text as usual, each
+    ``content`` as client text. The template is also applied to copies whose contents are
+    random markers: cut there, it gives its own pieces, each tokenized alone (as transformers
+    5.23's ``sanitize_control_tokens=True`` does), if with the contents put back (as they are,
+    or stripped by ``| trim``) they give the real text. Otherwise the whole text is tokenized,
+    accepted only if its special tokens are the template's own."""
     contents = [message.get("content") for message in messages]
     if any(content is not None and not isinstance(content, str) for content in contents):
         raise InvalidRequest("a message's content must be text")
