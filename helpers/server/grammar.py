@@ -13,7 +13,6 @@ allowed, so JSON mode closes within ``max_new_tokens``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 import time
@@ -112,14 +111,13 @@ class Matcher:
         self.compiled = compiled
         self._state = state                 # an llguidance LLMatcher
         self._closing = compiled.min_tokens is not None   # False: budget-free
-        self._look_at: int | None = None    # the budget at which the closer looks again
+        self._look_at = float("inf")        # the budget at which the closer looks again
 
     def apply(self, logits_row: torch.Tensor, budget: int | None = None) -> None:
         """Set the forbidden tokens' logits to -inf, in place. ``budget``: the tokens left after
         this one (None: no limit)."""
         allowed = _mask(self._state.compute_logit_bias())
-        if budget is not None and self._closing and (self._look_at is None
-                                                     or budget <= self._look_at):
+        if budget is not None and self._closing and budget <= self._look_at:
             allowed = self._in_time(allowed, logits_row, budget)
         keep = torch.zeros(logits_row.shape[-1], dtype=torch.bool)
         n = min(keep.numel(), allowed.numel())
@@ -237,7 +235,11 @@ class Grammars:
     @staticmethod
     def available() -> bool:
         """Whether the grammar engine (llguidance) is installed."""
-        return importlib.util.find_spec("llguidance") is not None
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            return False
+        return True
 
     @property
     def cached_bytes(self) -> int:

@@ -39,8 +39,7 @@ ENGINE_METRICS = {
     "running": ("gauge", "Rows in the running batch."),
     "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
     "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache (not computed "
-                                     "again)."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache (not recomputed)."),
     "kv_blocks_used": ("gauge", "KV blocks held by running requests (free blocks may still "
                                 "hold cached prefixes)."),
     "kv_blocks_total": ("gauge", "KV blocks in the pool (0 without the paged KV cache)."),
@@ -48,16 +47,12 @@ ENGINE_METRICS = {
     "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up."),
     "compile_seconds": ("counter", "Seconds inductor spent generating code for the step (the "
                                    "start-up lines give the whole compile)."),
-    "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
-                                  "event."),
-    "steps_eager_instead": ("counter", "Steps that would have needed a compile after start-up "
-                                       "and ran eager instead (0 unless something unexpected "
-                                       "came)."),
-    "cuda_graph_captures": ("counter", "CUDA graphs captured, one per capture size, all at "
-                                       "start-up (lesson 10)."),
+    "submissions_held": ("gauge", "Submissions the engine's process keeps to their last event."),
+    "steps_eager_instead": ("counter", "Steps that needed a compile after start-up and ran "
+                                       "eager instead (0 unless something unexpected came)."),
+    "cuda_graph_captures": ("counter", "CUDA graphs captured at start-up (one per capture size)."),
     "cuda_graph_replays": ("counter", "Decode steps that replayed a CUDA graph."),
-    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them, computed for "
-                                          "nothing."),
+    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them, for nothing."),
     "cuda_graph_fallbacks": ("counter", "Steps run without a CUDA graph, by reason: prompt, "
                                         "adapter, rows (more than the largest capture size)."),
     "cuda_graph_memory_bytes": ("gauge", "GPU memory the graphs reserved when captured."),
