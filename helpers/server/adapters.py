@@ -1,14 +1,9 @@
 """Which adapters a request may name, and loading them into the running model. (Lesson 07.)
 
-Two sources, as in LoRAX: ``local``, the NAME of a folder in the server's adapters folder
-(``--adapters``; no paths, nothing that resolves outside it), and ``hub``, a Hugging Face Hub
-repository id (a name with a "/", unless ``adapter_source`` says). Adapters load on first use
-into one ``MultiLora`` (lesson 06), one adapter per row of the batch; at most
-``MAX_HUB_ADAPTERS`` hub adapters, which stay loaded. Before anything is loaded, an adapter
-is checked from its config and its safetensors header alone (never a pickle): LoRA's A and B
-matrices only, a rank of at most ``MAX_RANK``, a file no larger than twice the model. Errors
-hold no path on the server's disk; a broken file in the server's own folder is the
-operator's problem (``GenerationFailed``, details in the log).
+Two sources, as in LoRAX: ``local``, a folder's NAME in the server's adapters folder (no
+paths), and ``hub``, a Hugging Face Hub repository id. Adapters load on first use into one
+``MultiLora`` (lesson 06) and stay loaded. An adapter is first checked from its config and
+its safetensors header alone (never a pickle). Errors hold no path on the server's disk.
 """
 
 from __future__ import annotations
@@ -39,12 +34,12 @@ MIN_ADAPTER_LIMIT = 64 << 20
 MAX_CONFIG_BYTES = 1 << 20
 #: Hub adapters one server keeps loaded (they are never unloaded).
 MAX_HUB_ADAPTERS = 8
-#: The tensor names a peft LoRA adapter holds (see helpers.lora._read_adapter).
+#: The tensor names of a peft LoRA adapter (see helpers.lora._read_adapter).
 _LORA_TENSOR = re.compile(r"\.lora_(A|B)\.weight$|\.lora_embedding_(A|B)$")
 
 
 class BrokenAdapter(Exception):
-    """An adapter's files cannot be read or are not a LoRA adapter (the message holds no path)."""
+    """An adapter's files are unreadable or no LoRA adapter (the message holds no path)."""
 
 
 def local_adapters(folder: str | os.PathLike) -> list[str]:
@@ -58,8 +53,8 @@ def local_adapters(folder: str | os.PathLike) -> list[str]:
 
 
 def check_adapter_files(folder: Path, max_bytes: int = MIN_ADAPTER_LIMIT) -> None:
-    """``BrokenAdapter`` unless ``folder`` holds a LoRA config and a safetensors file of at most
-    ``max_bytes`` holding LoRA matrices of a rank up to ``MAX_RANK`` (its header only is read)."""
+    """``BrokenAdapter`` unless ``folder`` holds a LoRA config and at most ``max_bytes`` of
+    safetensors LoRA matrices of rank up to ``MAX_RANK`` (only its header is read)."""
     from safetensors import safe_open
 
     config_file, weights_file = folder / CONFIG, folder / WEIGHTS
@@ -75,10 +70,9 @@ def check_adapter_files(folder: Path, max_bytes: int = MIN_ADAPTER_LIMIT) -> Non
         raise BrokenAdapter(f"its {CONFIG} is not a JSON object")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
-        raise BrokenAdapter(f"its {CONFIG} gives r={rank!r}; a rank from 1 to {MAX_RANK} is "
-                            f"needed")
+        raise BrokenAdapter(f"its {CONFIG} gives r={rank!r}, not a rank from 1 to {MAX_RANK}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise BrokenAdapter(f"its {CONFIG} gives lora_alpha={alpha!r}; a number is needed")
+        raise BrokenAdapter(f"its {CONFIG} gives lora_alpha={alpha!r}, not a number")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise BrokenAdapter(f"its {CONFIG} has a {key} that is not an object")
@@ -97,19 +91,16 @@ def check_adapter_files(folder: Path, max_bytes: int = MIN_ADAPTER_LIMIT) -> Non
         raise BrokenAdapter(f"its {WEIGHTS} holds no tensors")
     for key, shape in shapes.items():
         if not _LORA_TENSOR.search(key):
-            raise BrokenAdapter(f"its {WEIGHTS} holds {key[:80]!r}, which is not a LoRA A or B "
-                                f"matrix")
+            raise BrokenAdapter(f"its {WEIGHTS} holds {key[:80]!r}: no LoRA A or B matrix")
         if len(shape) != 2 or min(shape) < 1:
-            raise BrokenAdapter(f"its tensor {key[:80]!r} has shape {list(shape)}; LoRA "
-                                f"matrices are 2-D")
+            raise BrokenAdapter(f"its tensor {key[:80]!r} has shape {list(shape)}, not 2-D")
         if min(shape) > MAX_RANK:
-            raise BrokenAdapter(f"its tensor {key[:80]!r} has rank {min(shape)}; at most "
-                                f"{MAX_RANK}")
+            raise BrokenAdapter(f"its tensor {key[:80]!r} has rank {min(shape)} > {MAX_RANK}")
 
 
 class AdapterStore:
     """Resolves a request's adapter to a name loaded in ``lora``, loading it if needed.
-    ``lock``: the engine's lock around a step (an adapter is added between two steps)."""
+    ``lock``: the engine's lock around a step."""
 
     def __init__(self, model, folder: str | os.PathLike | None, lock: threading.RLock):
         self.folder = Path(folder).resolve() if folder is not None else None
@@ -126,7 +117,7 @@ class AdapterStore:
 
     @property
     def folder_name(self) -> str | None:
-        """The adapters folder's own name (what /info shows: never the absolute path)."""
+        """The adapters folder's name (what /info shows: never its path)."""
         return self.folder.name if self.folder is not None else None
 
     def available(self) -> list[str]:
@@ -134,7 +125,7 @@ class AdapterStore:
 
     def resolve(self, adapter_id: str | None, source: str | None = None,
                 api_token: str | None = None) -> str:
-        """The MultiLora name of the request's adapter (``adapter_id`` names one)."""
+        """The MultiLora name of the request's adapter."""
         if source is None:              # a local name never holds a "/"
             source = "hub" if "/" in adapter_id else "local"
         if source == "local":
@@ -143,16 +134,13 @@ class AdapterStore:
 
     def _local(self, name: str) -> str:
         if ".." in name or not LOCAL_NAME.fullmatch(name):
-            raise InvalidRequest(f"adapter_id {name[:100]!r} is not an adapter name: local "
-                                 f"adapters are named by their folder's name inside the "
-                                 f"adapters folder (letters, digits, '_', '-', '.'; no paths, "
-                                 f"no '..')")
+            raise InvalidRequest(f"adapter_id {name[:100]!r} is not a folder's name in the "
+                                 f"adapters folder (letters, digits, '_', '-', '.'; no '..')")
         if self.folder is None:
             raise NotFound(f"unknown adapter {name!r}: this server has no adapters folder")
         folder = (self.folder / name).resolve()
         if folder.parent != self.folder:
-            raise InvalidRequest(f"adapter {name!r} resolves outside the adapters folder; "
-                                 f"refused")
+            raise InvalidRequest(f"adapter {name!r} resolves outside the adapters folder")
         if not folder.is_dir():
             raise NotFound(f"unknown adapter {name!r}: there is no such adapter in the "
                            f"adapters folder (available: {self.available()})")
@@ -171,13 +159,11 @@ class AdapterStore:
         if name in self.lora.names:
             return name
         with self._loading:
-            hub_loaded = sum(n.startswith("hub:") for n in self.lora.names)
-            if name not in self._fetching and hub_loaded + len(self._fetching) >= \
-                    MAX_HUB_ADAPTERS:
-                raise Unavailable(f"adapter {repo_id!r}: this server already holds "
-                                  f"{MAX_HUB_ADAPTERS} hub adapters (its limit; they stay "
-                                  f"loaded until it restarts); use one of those or a local "
-                                  f"adapter")
+            held = sum(n.startswith("hub:") for n in self.lora.names) + len(self._fetching)
+            if name not in self._fetching and held >= MAX_HUB_ADAPTERS:
+                raise Unavailable(f"adapter {repo_id!r}: this server holds its limit of "
+                                  f"{MAX_HUB_ADAPTERS} hub adapters until it restarts; use one "
+                                  f"of those or a local adapter")
             self._fetching.add(name)
         try:
             folder = _fetch_from_hub(repo_id, api_token)
@@ -187,8 +173,8 @@ class AdapterStore:
                 self._fetching.discard(name)
 
     def _load(self, name: str, folder: Path, operator: bool) -> str:
-        """Load ``folder`` as ``name``. operator: the folder is the server's own (a broken
-        file there is a 500 for the operator to fix), else the client's choice (a 422)."""
+        """Load ``folder`` as ``name``. operator: the folder is the server's (broken: a 500 for
+        the operator), else the client's choice (a 422)."""
         shown = name.removeprefix("hub:")
         with self._loading:             # one load at a time; a second asker finds it loaded
             if name in self.lora.names:
@@ -216,26 +202,16 @@ class AdapterStore:
         return name
 
 
-def _hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    except Exception:
-        return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
 def _fetch_from_hub(repo_id: str, api_token: str | None) -> Path:
-    """Download a peft adapter from the hub; the folder holding its two files, or an ``errors``
-    exception."""
+    """Download a peft adapter from the hub: the folder holding its two files."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
         from peft import PeftConfig
     except ImportError as err:
         raise Unavailable(f"adapter {repo_id!r} comes from the hub, which needs peft and "
                           f"huggingface_hub ({err.name} is missing on this server)") from None
-    offline = _hub_offline()
+    offline = constants.HF_HUB_OFFLINE
     try:
         PeftConfig.from_pretrained(repo_id, token=api_token)
         config = hf_hub_download(repo_id, CONFIG, token=api_token)

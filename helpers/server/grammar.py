@@ -1,24 +1,14 @@
 """Constrained decoding: a JSON schema or a regular expression becomes a mask on the logits.
 (Lesson 07.)
 
-``Grammars(tokenizer).compile(kind, value)`` ("json" or "regex") returns a ``Compiled``
-grammar shared by the requests that ask for it; ``Compiled.matcher()`` follows one request:
-``apply(logits_row, budget)`` masks the forbidden tokens, ``advance(token)`` takes the one
-chosen. The engine is llguidance (vLLM's and SGLang's), which parses as the text is written,
-so compiling costs about as much as reading the schema (benchmarks/results/bench_grammar.md).
+``Grammars(tokenizer).compile(kind, value)`` returns a ``Compiled`` grammar, shared by the
+requests that ask for it; ``Compiled.matcher()`` follows one request. The engine is llguidance
+(vLLM's and SGLang's): it parses as the text is written, so compiling costs about as much as
+reading the schema. Grammars, compiles and the cache stay within the server's limits.
 
-No request makes a grammar cost more than the server allows: its size and depth are bounded
-(``errors.TooLarge``), so are llguidance's work (``parser_limits()``), the wait for a compile
-(``compile_timeout``; a late one is cached when done), the compiles at once (``Overloaded``)
-and the cache of compiled grammars (``cache_bytes``, least recently used out first). JSON
-objects that list their ``properties`` are closed, or a small model writes extra keys until
-its budget ends; the layout is ``json.dumps``'s.
-
-The budget: a matcher's *closer* finds a short completion from where the text is (closing
-quotes and brackets first). Within ``MARGIN`` tokens of the budget, only tokens from which
-the closer still finishes in time are allowed, so JSON mode closes within ``max_new_tokens``.
-``Compiled.min_tokens`` is the closer's length from the start (a smaller ``max_new_tokens`` is
-refused); None (no ending within ``CLOSER_STEPS`` tokens) makes the grammar budget-free.
+The budget: a matcher's *closer* finds a short completion from where the text is. Within
+``MARGIN`` tokens of the budget, only tokens from which the closer still finishes in time are
+allowed, so JSON mode closes within ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -46,8 +36,8 @@ CANDIDATES = 3
 CLOSER_STEPS = 256
 CLOSER_SECONDS = 0.01
 CLOSER_COMPILE_SECONDS = 0.25
-#: The closer's first choices (what ends a string, an array, an object), then, least used first,
-#: what continues JSON most briefly.
+#: The closer's first choices (what ends a string, an array, an object), then the shortest
+#: ways to continue JSON.
 _CLOSING = b'"]}'
 _OTHERS = b',: 0123456789' + bytes(b for b in range(33, 127) if b not in b'"]},:0123456789')
 _WHAT = {"json": "JSON schema", "regex": "regular expression"}
@@ -56,8 +46,8 @@ _LIMIT_WORDS = ("limit", "fuel", "too large", "too many", "too complex", "too bi
 
 
 def parser_limits():
-    """llguidance's limits for one grammar: its defaults, tightened where a request could use
-    them to take memory (a lexer state takes 1-2 kB)."""
+    """llguidance's defaults, tightened where a request could take memory (a lexer state takes
+    1-2 kB)."""
     from llguidance import LLParserLimits
 
     return LLParserLimits(
@@ -71,12 +61,12 @@ def parser_limits():
 
 
 def _mask(bias) -> torch.Tensor:
-    """llguidance's logit bias (one byte a token, 0 = forbidden) as a bool tensor."""
+    """llguidance's logit bias (a byte a token, 0 = forbidden) as a bool tensor."""
     return torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
 
 
 def _depth(value) -> int:
-    """How deeply lists and dicts are nested in ``value`` (iteratively: no recursion limit)."""
+    """How deeply lists and dicts nest in ``value`` (a loop: no recursion limit)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, level = todo.pop()
@@ -88,30 +78,28 @@ def _depth(value) -> int:
     return deepest
 
 
-# The keys under which a JSON schema holds other schemas: one, a list of them ("items" also in
-# its old tuple form), or a map of name -> schema.
+# The keys under which a JSON schema holds one schema, a list of them ("items" also in its old
+# tuple form), or a map of name -> schema.
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 _LIST = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def closed_objects(schema):
-    """A copy of ``schema`` whose object schemas that list ``properties`` and say nothing of
-    others get ``additionalProperties: false``; ``{"type": "object"}`` stays open."""
+    """A copy of ``schema`` where objects that list ``properties`` and say nothing of others
+    get ``additionalProperties: false`` (or a small model writes extra keys until its budget
+    ends); ``{"type": "object"}`` stays open."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _ONE:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(item) for item in out[key]]
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and "patternProperties" not in out):
+    for key, item in schema.items():
+        if key in _MAP and isinstance(item, dict):
+            out[key] = {name: closed_objects(one) for name, one in item.items()}
+        elif key in _LIST and isinstance(item, list):
+            out[key] = [closed_objects(one) for one in item]
+        elif key in _ONE:
+            out[key] = closed_objects(item)
+    if "properties" in out and not {"additionalProperties", "patternProperties"} & out.keys():
         out["additionalProperties"] = False
     return out
 
@@ -123,18 +111,16 @@ class Matcher:
         self.compiled = compiled
         self._state = state                 # an llguidance LLMatcher
         self._closing = compiled.min_tokens is not None   # False: budget-free
-        self._look_at: int | None = None    # the budget at which the closer looks again
+        self._look_at = float("inf")        # the budget at which the closer looks again
 
     def apply(self, logits_row: torch.Tensor, budget: int | None = None) -> None:
-        """Set the logits of the forbidden tokens to -inf, in place (only EOS is allowed once
-        the matcher has failed). ``budget``: the tokens left after this one (None: no limit)."""
+        """Set the forbidden tokens' logits to -inf, in place. ``budget``: the tokens left after
+        this one (None: no limit)."""
         allowed = _mask(self._state.compute_logit_bias())
-        if budget is not None and self._closing and (self._look_at is None
-                                                     or budget <= self._look_at):
+        if budget is not None and self._closing and budget <= self._look_at:
             allowed = self._in_time(allowed, logits_row, budget)
-        size = logits_row.shape[-1]
-        keep = torch.zeros(size, dtype=torch.bool)
-        n = min(size, allowed.numel())
+        keep = torch.zeros(logits_row.shape[-1], dtype=torch.bool)
+        n = min(keep.numel(), allowed.numel())
         keep[:n] = allowed[:n]
         logits_row.masked_fill_(~keep.to(logits_row.device), float("-inf"))
 
@@ -146,18 +132,16 @@ class Matcher:
             self._closing = False           # no ending found from here: budget-free from now
             return allowed
         slack = budget - len(ending) - MARGIN
-        if slack >= 0:                      # time enough: no restriction. A token lengthens
-            # the ending by MARGIN + 1 tokens at most (the rule's assumption): look again
-            # before the ending could catch up with the budget.
+        if slack >= 0:      # no restriction; a token lengthens the ending by MARGIN + 1 at most
+            # (the rule's assumption): look again before it could catch up with the budget
             self._look_at = budget - max(1, slack // (MARGIN + 2))
             return allowed
         self._look_at = budget - 1          # from here on, at every token
         eos = self.compiled.eos_id
         keep = torch.zeros_like(allowed)
-        if not ending:                                      # complete now: end it here
-            keep[eos] = True
+        keep[ending[0] if ending else eos] = True           # complete now: end it here
+        if not ending:
             return keep
-        keep[ending[0]] = True
         scores = logits_row.detach().float().cpu()[: allowed.numel()]
         scores = scores.masked_fill(~allowed, float("-inf"))
         scores[eos] = float("-inf")
@@ -171,7 +155,7 @@ class Matcher:
         return keep
 
     def advance(self, token_id: int) -> None:
-        """Follow the token the engine chose (one ``apply`` allowed)."""
+        """Follow the token the engine chose."""
         self._state.consume_token(int(token_id))
 
     @property
@@ -181,12 +165,9 @@ class Matcher:
 
 
 class Compiled:
-    """A compiled grammar: ``kind``, ``key`` (its canonical text), ``min_tokens``, ``nbytes``
-    (the cache's estimate of its memory: llguidance's grammars took 6-470 kB for schemas of
-    0.1-9 kB on the bundled tokenizer), and ``matcher()`` for each request."""
-
-    BASE_BYTES = 64 << 10
-    BYTES_PER_CHARACTER = 40
+    """A compiled grammar. ``min_tokens``: the closer's length from the start (a smaller
+    ``max_new_tokens`` is refused; None: budget-free). ``nbytes``: the cache's estimate of its
+    memory (llguidance took 6-470 kB for schemas of 0.1-9 kB on the bundled tokenizer)."""
 
     def __init__(self, grammars: "Grammars", kind: str, key: str, state):
         self.kind = kind
@@ -195,7 +176,7 @@ class Compiled:
         self._grammars = grammars
         self._start = state                 # never advanced: each matcher is a copy
         self._lock = threading.Lock()
-        self.nbytes = self.BASE_BYTES + self.BYTES_PER_CHARACTER * len(key)
+        self.nbytes = (64 << 10) + 40 * len(key)
         ending = self.closer(state, time.thread_time() + CLOSER_COMPILE_SECONDS)
         self.min_tokens = None if ending is None else len(ending)
 
@@ -204,9 +185,9 @@ class Compiled:
             return Matcher(self, self._start.deep_copy())
 
     def closer(self, state, deadline: float) -> list[int] | None:
-        """Tokens that complete the text from ``state`` (an LLMatcher, left as it is): [] if it
-        is complete, None if none within CLOSER_STEPS tokens or before ``deadline`` (a
-        ``time.thread_time()`` reading, which a busy machine does not stretch)."""
+        """Tokens that complete the text from ``state`` (left as it is): [] if it is complete,
+        None if none within CLOSER_STEPS tokens or before ``deadline`` (a ``thread_time()``,
+        which a busy machine does not stretch)."""
         state = state.deep_copy()
         closing, others = self._grammars.closer_tokens
         used: dict[int, int] = {}
@@ -227,14 +208,11 @@ class Compiled:
             used[token] = used.get(token, 0) + 1
             taken.append(token)
             state.consume_token(token)
-        if state.is_error() or not state.is_accepting():
-            return None
-        return taken
+        return taken if state.is_accepting() and not state.is_error() else None
 
 
 class Grammars:
-    """Compiles grammars for one tokenizer within the server's limits and keeps the compiled
-    ones. ``compilations`` counts the compilations started."""
+    """Compiles grammars for one tokenizer within the server's limits, and keeps them."""
 
     def __init__(self, tokenizer, *, max_grammar_bytes: int = 32 << 10, max_depth: int = 64,
                  compile_timeout: float = 5.0, cache_bytes: int = 64 << 20,
@@ -251,7 +229,7 @@ class Grammars:
         self._cache: OrderedDict[str, Compiled] = OrderedDict()
         self._compiling: dict[str, Future] = {}
         self._llg_tokenizer = None
-        # the closer's single-character tokens, in its order: (closing ones, the others)
+        # the closer's single-character tokens, in its order: (closing ones, others)
         self.closer_tokens: tuple[list[int], list[int]] = ([], [])
 
     @staticmethod
@@ -265,7 +243,7 @@ class Grammars:
 
     @property
     def cached_bytes(self) -> int:
-        """The estimated memory of the compiled grammars kept (at most ``cache_bytes``)."""
+        """The estimated memory of the grammars kept."""
         with self._lock:
             return sum(c.nbytes for c in self._cache.values())
 
@@ -298,9 +276,8 @@ class Grammars:
         return f"{kind}:{text}"
 
     def compile(self, kind: str, value) -> Compiled:
-        """The compiled grammar, from the cache or compiled now (waiting at most
-        ``compile_timeout`` seconds). Blocks: call it from a worker thread. Raises
-        errors.InvalidRequest, TooLarge or Overloaded."""
+        """The compiled grammar, from the cache or compiled now (waiting ``compile_timeout`` at
+        most; a late one is cached when done). Blocks: call it from a worker thread."""
         if not self.available():
             raise InvalidRequest("constrained decoding needs the llguidance package, which is "
                                  "not installed on this server")
@@ -325,33 +302,26 @@ class Grammars:
                            f"(the server's compile_timeout)") from None
 
     def _build(self, key: str, kind: str, value, future: Future) -> None:
-        """The compilation thread: compile, cache, hand the result to every waiting request."""
         try:
-            compiled = self._compile_now(kind, value, key)
+            outcome = self._compile_now(kind, value, key)
         except EngineError as err:
             outcome = err
         except Exception as err:       # anything else llguidance raises: the grammar's fault
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             outcome = InvalidRequest(f"this grammar cannot be used: {first[:200]}")
-        else:
-            outcome = compiled
         with self._lock:
             self._compiling.pop(key, None)
             if isinstance(outcome, Compiled) and outcome.nbytes <= self.cache_bytes:
                 self._cache[key] = outcome
-                total = sum(c.nbytes for c in self._cache.values())
-                while total > self.cache_bytes:
-                    _, evicted = self._cache.popitem(last=False)
-                    total -= evicted.nbytes
+                while sum(c.nbytes for c in self._cache.values()) > self.cache_bytes:
+                    self._cache.popitem(last=False)         # least recently used first
         if isinstance(outcome, Compiled):
             future.set_result(outcome)
         else:
             future.set_exception(outcome)
 
     def _engine_tokenizer(self):
-        """llguidance's view of the tokenizer, built once; with the token of each byte."""
-        if self._llg_tokenizer is not None:
-            return self._llg_tokenizer
+        """llguidance's view of the tokenizer, built once, and the closer's tokens."""
         with self._lock:
             if self._llg_tokenizer is None:
                 import llguidance.hf
@@ -361,13 +331,9 @@ class Grammars:
                 except ValueError as err:         # a slow (Python) tokenizer
                     raise InvalidRequest(f"constrained decoding is not available with this "
                                          f"tokenizer: {err}") from None
-                single = {}
-                for byte in _CLOSING + _OTHERS:
-                    tokens = llg.tokenize_bytes(bytes([byte]))
-                    if len(tokens) == 1:
-                        single[byte] = tokens[0]
-                self.closer_tokens = ([single[b] for b in _CLOSING if b in single],
-                                      [single[b] for b in _OTHERS if b in single])
+                tokens = {byte: llg.tokenize_bytes(bytes([byte])) for byte in _CLOSING + _OTHERS}
+                self.closer_tokens = tuple([tokens[b][0] for b in group if len(tokens[b]) == 1]
+                                           for group in (_CLOSING, _OTHERS))
                 self._llg_tokenizer = llg
             return self._llg_tokenizer
 

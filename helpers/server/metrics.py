@@ -1,11 +1,9 @@
 """``/metrics``: the server's counters, gauges and latency histograms in Prometheus' text
 format. (Lesson 07.)
 
-Each metric has a ``# HELP`` line, a ``# TYPE`` line (counter: only goes up; gauge: up and down;
-histogram: how many observations fell at or below each bucket edge ``le``) and its samples; from
-two scrapes a dashboard gets rates and latency percentiles. The histograms are the latencies
-clients saw (``serving.Run`` observes each token); the counters and gauges come from the
-engine's ``snapshot()``; ``guards.AnswerGuard`` counts the answers by status.
+The histograms are the latencies clients saw (``serving.Run`` observes each token); the
+counters and gauges come from the engine's ``snapshot()``; ``guards.AnswerGuard`` counts the
+answers by status. From two scrapes a dashboard gets rates and latency percentiles.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ PREFIX = "helpers_server_"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
-#: What each key of ``Engine.snapshot()`` is: (type, help); a key not listed is "untyped".
+#: Each key of ``Engine.snapshot()``: (type, help); a key not listed is "untyped".
 ENGINE_METRICS = {
     "requests": ("counter", "Requests the engine accepted into its queue."),
     "tokens": ("counter", "Tokens generated, all rows together."),
@@ -41,8 +39,7 @@ ENGINE_METRICS = {
     "running": ("gauge", "Rows in the running batch."),
     "rows_max": ("gauge", "Most rows the batch has held at once since the server started."),
     "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache (not computed "
-                                     "again)."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache (not recomputed)."),
     "kv_blocks_used": ("gauge", "KV blocks held by running requests (free blocks may still "
                                 "hold cached prefixes)."),
     "kv_blocks_total": ("gauge", "KV blocks in the pool (0 without the paged KV cache)."),
@@ -50,16 +47,12 @@ ENGINE_METRICS = {
     "compiles": ("counter", "Graphs torch.compile made of the model's step, all at start-up."),
     "compile_seconds": ("counter", "Seconds inductor spent generating code for the step (the "
                                    "start-up lines give the whole compile)."),
-    "submissions_held": ("gauge", "Submissions the engine's process keeps until their last "
-                                  "event."),
-    "steps_eager_instead": ("counter", "Steps that would have needed a compile after start-up "
-                                       "and ran eager instead (0 unless something unexpected "
-                                       "came)."),
-    "cuda_graph_captures": ("counter", "CUDA graphs captured, one per capture size, all at "
-                                       "start-up (lesson 10)."),
+    "submissions_held": ("gauge", "Submissions the engine's process keeps to their last event."),
+    "steps_eager_instead": ("counter", "Steps that needed a compile after start-up and ran "
+                                       "eager instead (0 unless something unexpected came)."),
+    "cuda_graph_captures": ("counter", "CUDA graphs captured at start-up (one per capture size)."),
     "cuda_graph_replays": ("counter", "Decode steps that replayed a CUDA graph."),
-    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them, computed for "
-                                          "nothing."),
+    "cuda_graph_padded_rows": ("counter", "Padding rows replayed with them, for nothing."),
     "cuda_graph_fallbacks": ("counter", "Steps run without a CUDA graph, by reason: prompt, "
                                         "adapter, rows (more than the largest capture size)."),
     "cuda_graph_memory_bytes": ("gauge", "GPU memory the graphs reserved when captured."),
@@ -73,8 +66,8 @@ LABELS = {"cuda_graph_fallbacks": ("adapter", "prompt", "rows"),
 
 
 def combine(first: dict, second: dict, how=operator.add) -> dict:
-    """``second`` (a ``snapshot()``) with each of its counters combined with ``first``'s (added:
-    what engine processes that died had counted; or the larger taken). Gauges are ``second``'s."""
+    """``second`` (a ``snapshot()``) with its counters combined with ``first``'s (added: what
+    engine processes that died had counted; or the larger taken). Gauges are ``second``'s."""
     out = dict(second)
     for key, mine in first.items():
         if ENGINE_METRICS.get(key, ("counter",))[0] != "counter":
@@ -94,7 +87,7 @@ def _number(value: float) -> str:
 
 
 def _family(key: str, kind: str, help: str, value, label: str = "reason") -> list[str]:
-    """One metric's lines: HELP, TYPE and its samples (``value``, or ``{label value: value}``)."""
+    """One metric's HELP, TYPE and samples (``value``, or ``{label value: value}``)."""
     name = PREFIX + key
     lines = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
     if isinstance(value, dict):
@@ -106,8 +99,8 @@ class Metrics:
     """The latency histograms and the answer counts of the HTTP side (what clients saw)."""
 
     def __init__(self):
-        # prometheus_client keeps and writes the histograms (thread-safe). The other figures
-        # are written below: it would rename each counter <name>_total and write 528 as 528.0.
+        # prometheus_client writes the histograms; not the other figures, as it would rename
+        # each counter <name>_total and write 528 as 528.0.
         self.histograms = prometheus_client.CollectorRegistry()
         self.ttft = prometheus_client.Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -121,9 +114,7 @@ class Metrics:
         self.responses: Counter = Counter()      # by status code (``guards.AnswerGuard``)
 
     def render(self, snapshot: dict | None, restarts: int = 0) -> str:
-        """The whole page: the engine's ``snapshot()`` counters and gauges (None: the engine
-        does not answer, and ``up`` says so), how often its process was restarted, the
-        answers by status code, the histograms."""
+        """The whole page; ``snapshot`` None: the engine does not answer (``up`` says so)."""
         lines = _family("up", "gauge", "1 while the engine answers; 0 when it does not (its "
                         "own figures are then left out).", 0 if snapshot is None else 1)
         lines += _family("engine_restarts", "counter", "Engine processes started again after "
@@ -145,5 +136,4 @@ class Metrics:
             self.histograms).decode()
 
 
-#: The content type of Prometheus' text format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -89,27 +89,20 @@ _BY_NAME = {option.name: option for option in OPTIONS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per option to ``parser``."""
     for option in OPTIONS:
         parser.add_argument(option.flag, type=option.type, default=option.default,
                             choices=option.choices or None, help=_help(option))
 
 
 def _help(option: Option) -> str:
-    """The option's help, with its default when it has one (the others say in words)."""
-    if option.default is None:
-        return option.help
-    return f"{option.help} (default: {option.default})"
+    return option.help if option.default is None else f"{option.help} (default: {option.default})"
 
 
 def check(values: dict, model=None, device=None) -> dict:
-    """The one place a server setting is judged, whoever gives it (the command line through
-    ``build_engine``, ``serve_in_background`` through ``command_line``, ``Engine(...)``):
-    ``ValueError`` naming the first setting that is wrong. ``values``: settings by name, a
-    missing one taking its default. With ``model``, its context bounds the limits and fills in
-    their defaults; ``device``: where the model is or will be (checked for CUDA graphs).
-    Returns every setting, judged: the limits filled in where ``model`` says, ``compile`` and
-    ``cuda_graphs`` as "auto", "on" or "off", ``cuda_graph_sizes`` a sorted tuple."""
+    """Every setting, judged (``ValueError`` naming the first that is wrong), a missing one
+    taking its default. ``model``'s context bounds the limits and fills in their defaults;
+    ``device``: where the model is or will be. ``compile`` and ``cuda_graphs`` come back as
+    "auto", "on" or "off", ``cuda_graph_sizes`` as a sorted tuple."""
     unknown = sorted(set(values) - set(_BY_NAME))
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not a server option; the options are: "
@@ -118,10 +111,9 @@ def check(values: dict, model=None, device=None) -> dict:
     for name in ("compile", "cuda_graphs"):          # True and False stand for on and off
         s[name] = {True: "on", False: "off"}.get(s[name], s[name])
     for option in OPTIONS:
-        value = s[option.name]
-        if value is None:
-            continue
-        if option.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+        value = s[option.name]          # None only for options without choices
+        if option.type is int and value is not None and (isinstance(value, bool)
+                                                         or not isinstance(value, int)):
             raise ValueError(f"{option.name} must be an integer, got {value!r}")
         if option.choices and value not in option.choices:
             raise ValueError(f"{option.name} must be one of {', '.join(option.choices)}, got "
@@ -162,7 +154,7 @@ def check(values: dict, model=None, device=None) -> dict:
 
 
 def _sizes(value, max_batch_size: int) -> tuple[int, ...]:
-    """The capture sizes (``"1,2,4"`` or a list of ints) that can occur, sorted."""
+    """The capture sizes (``"1,2,4"`` or ints) that can occur, sorted."""
     pieces = value.split(",") if isinstance(value, str) else list(value)
     sizes = []
     for piece in pieces:
@@ -179,12 +171,9 @@ def _sizes(value, max_batch_size: int) -> tuple[int, ...]:
 
 
 def torch_threads(requested: int | None, device) -> int:
-    """The torch threads to use: ``requested`` if given; on the CPU every core but one (at
-    least one), because the HTTP side and often the clients run on this machine too: a model
-    step that takes every core makes each of them wait. One on a GPU: there the CPU only builds
-    each step's small index tensors and launches kernels, and waking a pool of threads for them
-    costs more than it saves (on an H200 with 16 cores, the inputs of a 64-row step took 8 ms
-    on torch's default 16 threads, 0.3 ms on one)."""
+    """The torch threads to use: ``requested`` if given; on the CPU every core but one, left to
+    the HTTP side and the clients; one on a GPU, where the CPU only builds small index tensors
+    and launches kernels (a 64-row step's inputs took 8 ms on 16 threads, 0.3 ms on one)."""
     cores = os.cpu_count() or 1
     if requested is not None:
         if not 1 <= requested <= cores:
@@ -196,8 +185,7 @@ def torch_threads(requested: int | None, device) -> int:
 
 def device(name):
     """The device ``--device`` names (None: CUDA when there is one), judged before anything
-    loads: ``ValueError`` for a name torch does not know, a device this machine lacks or one
-    that holds no data (meta). Imports torch: the engine's process calls it."""
+    loads. Imports torch: the engine's process calls it."""
     import torch
 
     from ..models import default_device
@@ -222,8 +210,7 @@ def device(name):
 
 
 def command_line(values: dict) -> list[str]:
-    """The flags that give the server ``values`` (``{name: value}``; None: the default),
-    judged first (``check``)."""
+    """The flags that give the server ``values`` (None: the default), judged first."""
     check(values)
     flags = []
     for name, value in values.items():

@@ -1,22 +1,14 @@
-"""Tokenizing what clients send so that their text never becomes a special token, and tokens
-back to text as they come. (Lesson 07.)
+"""Client text to tokens, never to special tokens, and tokens back to text as they come.
+(Lesson 07.)
 
-A tokenizer recognises the text of its special tokens anywhere: ``tokenizer("a<|endoftext|>b")``
-gives the end-of-text token's id. A client who types ``<|endoftext|>`` (or ``<|im_start|>``)
-in a prompt would then end the text, or forge a turn of the conversation, with tokens only
-the server should write. The rule here: text from a client is always tokenized as text; the
-special tokens a chat template writes are still special tokens. The Rust tokenizer can read
-special tokens' text as plain text (``encode_special_tokens``); transformers' own switch
-(``split_special_tokens=True``) sets it on the tokenizer's *shared* Rust object at every
-call, which two threads change under each other. So this module keeps private copies of the
-Rust tokenizer, each set once and then only read: threads need no lock.
+A tokenizer reads its special tokens' text anywhere: a client typing ``<|im_start|>`` would
+forge a turn. Here client text is tokenized as text, while a chat template's own special
+tokens stay special, by private copies of the Rust tokenizer set once and then only read
+(transformers' ``split_special_tokens=True`` sets the *shared* one at each call, where two
+threads change it under each other).
 
-The way out (``IncrementalDecoder``): decoding the whole answer after every token costs n²/2
-token decodes for n tokens, and decoding the last token alone is wrong (a character's bytes
-may be split over two tokens). The decoder decodes a small window instead, as TGI and vLLM
-do: the tokens since the last piece it handed out, plus the few before them as context; what
-the window decodes to, minus what its context alone decodes to, is the new text. While the
-window ends inside a character (U+FFFD), nothing is handed out.
+``IncrementalDecoder`` decodes a small window, as TGI and vLLM do: the whole answer at each
+token costs n²/2 token decodes, and the last token alone may hold half a character.
 """
 
 from __future__ import annotations
@@ -29,9 +21,8 @@ from typing import Callable, NamedTuple
 
 from .errors import InvalidRequest
 
-#: What each chat message costs beside its text, counted in characters (for the bound on a
-#: prompt's size before the template runs): a template writes a role and separators for every
-#: message, so many empty messages are not free.
+#: What a chat message costs beside its text, in characters, in the bound on a prompt's size
+#: before the template runs (a template writes a role and separators for each message).
 CHARS_PER_MESSAGE = 16
 
 #: Text to check that a copy of the Rust tokenizer tokenizes as the tokenizer does.
@@ -41,11 +32,9 @@ _SHARED_LOCK = threading.Lock()
 
 
 def own_encoder(tokenizer):
-    """A private copy of ``tokenizer``'s Rust tokenizer for client text: no truncation, no
-    padding, and special tokens' text read as text (``encode_special_tokens``). Nothing else
-    sees or changes the copy, so threads can call its ``encode`` without a lock. None for a
-    tokenizer without a Rust tokenizer, or one whose copy does not tokenize ordinary text as
-    the tokenizer does (transformers adds some models' special tokens itself)."""
+    """A private copy of ``tokenizer``'s Rust tokenizer for client text (special tokens' text
+    read as text), which threads call without a lock. None without a Rust tokenizer, or if
+    the copy tokenizes differently (transformers adds some models' special tokens itself)."""
     own = _rust_copy(tokenizer)
     if own is not None:
         own.encode_special_tokens = True
@@ -53,9 +42,8 @@ def own_encoder(tokenizer):
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The token ids of client ``text``, with every special token's text tokenized as
-    ordinary text; the tokenizer still adds its own BOS/EOS when ``add_special_tokens``.
-    ``tokenizer`` is a transformers tokenizer or the copy ``own_encoder`` made of one."""
+    """The token ids of client ``text``, special tokens' text read as text (the tokenizer's
+    own BOS/EOS still added). ``tokenizer``: a transformers one or ``own_encoder``'s copy."""
     from tokenizers import Tokenizer
 
     if isinstance(tokenizer, Tokenizer):
@@ -67,17 +55,12 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of ``messages`` written with the tokenizer's chat template: the template's
-    own text tokenized as usual, each message's ``content`` as client text (``encode_text``).
-
-    How: the template is applied twice, to the messages and to copies whose contents are
-    random markers. The second text, cut at the markers, gives the template's own pieces; the
-    first must be those pieces with the contents put back (as they are, or stripped, as
-    ``| trim`` does), and each piece is tokenized on its own (as transformers 5.23's
-    ``sanitize_control_tokens=True`` does; BPE then never merges across a junction). A
-    template that changes contents otherwise gets the whole text tokenized at once, accepted
-    only if its special tokens are exactly the template's own. A template that writes the
-    BOS token itself loses it when the tokenizer adds one (as in ``render_chat``)."""
+    """The token ids of ``messages`` in the chat template: the template's text as usual, each
+    ``content`` as client text. The template is also applied to copies whose contents are
+    random markers: cut there, it gives its own pieces, each tokenized alone (as transformers
+    5.23's ``sanitize_control_tokens=True`` does), if with the contents put back (as they are,
+    or stripped by ``| trim``) they give the real text. Otherwise the whole text is tokenized,
+    accepted only if its special tokens are the template's own."""
     contents = [message.get("content") for message in messages]
     if any(content is not None and not isinstance(content, str) for content in contents):
         raise InvalidRequest("a message's content must be text")
@@ -111,10 +94,8 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of ``messages`` with the tokenizer's chat template, ending where the
-    assistant's answer begins: what ``encode_chat`` tokenizes. A template that writes the
-    begin-of-text token itself loses it when the tokenizer adds one, so that the prompt does
-    not start with two."""
+    """The prompt text ``encode_chat`` tokenizes, ending where the answer begins (without the
+    template's BOS when the tokenizer adds one: never two)."""
     text = _render(tokenizer, messages)
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos) and _encoders(tokenizer).prefix[:1] == [
@@ -133,8 +114,8 @@ class _Encoders(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _encoders(tokenizer) -> _Encoders:
-    """Both ways to tokenize with ``tokenizer``, made once per tokenizer (a tokenizer changed
-    afterwards, tokens added, needs ``_encoders.cache_clear()``)."""
+    """Both ways to tokenize with ``tokenizer``, made once (a tokenizer given tokens afterwards
+    needs ``_encoders.cache_clear()``)."""
     plain, text = _rust_copy(tokenizer), own_encoder(tokenizer)
     if plain is not None and text is not None:
         def plain_ids(s, add): return plain.encode(s, add_special_tokens=add).ids
@@ -152,8 +133,7 @@ def _encoders(tokenizer) -> _Encoders:
 
 
 def _rust_copy(tokenizer):
-    """A copy of the tokenizer's Rust tokenizer, no truncation or padding; None as in
-    ``own_encoder``."""
+    """A copy of the Rust tokenizer, without truncation or padding; None as in ``own_encoder``."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -175,9 +155,8 @@ def _shared(tokenizer, text: str, add_special_tokens: bool, split: bool) -> list
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The tokenizer's chat template applied to ``messages``. InvalidRequest if the model has
-    no template or the template refuses the messages (some raise, e.g. on roles out of
-    order)."""
+    """The chat template applied to ``messages``; InvalidRequest if there is none or it
+    refuses them (some raise, e.g. on roles out of order)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template: use /v1/completions with a "
                              "prompt instead")
@@ -190,10 +169,9 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True)
 
 
 def _piece(encoders: _Encoders, encode, piece: str, start: bool) -> list[int]:
-    """The ids of a piece of the text, without the tokenizer's BOS/EOS. A piece after the start
-    is tokenized after a newline that is then taken off: tokenizers that put a space before the
-    start of a text (SentencePiece's "\u2581") would otherwise put one before every piece.
-    (transformers does the same in ``encode_marked_chat``.)"""
+    """The ids of a piece, without BOS/EOS. A piece after the start is tokenized after a
+    newline then taken off, or SentencePiece would put its "\u2581" before every piece (as
+    transformers does in ``encode_marked_chat``)."""
     if not start:
         ids = encode("\n" + piece, False)
         if ids[:len(encoders.newline)] == encoders.newline:
@@ -203,8 +181,8 @@ def _piece(encoders: _Encoders, encode, piece: str, start: bool) -> list[int]:
 
 def _whole(tokenizer, encoders: _Encoders, text: str, template_pieces: list[str],
            drop: int) -> list[int]:
-    """The ids of the whole ``text`` tokenized as before, for a template that changes the
-    contents; InvalidRequest if it holds other special tokens than the template's own."""
+    """The ids of the whole ``text``, for a template that changes the contents; InvalidRequest
+    if it holds other special tokens than the template's own."""
     special = set(tokenizer.all_special_ids) | {
         i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     template_pieces[0] = template_pieces[0][drop:]
@@ -224,16 +202,10 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDecoder:
-    """The text of a growing list of tokens, one piece per token. (Lesson 07.)
-
-        decoder = IncrementalDecoder(tokenizer)
-        for token in tokens:
-            piece = decoder.add(token)      # '' while a character is incomplete
-        rest = decoder.flush()              # at the end: what was held back, if anything
-
-    ``decoder.text`` is everything handed out so far; after ``flush()`` it is what
-    ``tokenizer.decode(tokens)`` gives. ``decoder.ids`` are the tokens added.
-    """
+    """The text of a growing list of tokens, a piece per token (``add``), then ``flush()`` at
+    the end; ``text`` is then what ``tokenizer.decode(ids)`` gives. The window: the tokens not
+    handed out yet, after a few as context; its text minus the context's is the new text, held
+    back ('') while it ends inside a character (U+FFFD). (Lesson 07.)"""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         if not callable(getattr(tokenizer, "decode", None)):
@@ -242,8 +214,7 @@ class IncrementalDecoder:
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
-        # ids[_context:_done] were already turned into text: they are the window's context.
-        # ids[_done:] are the tokens whose text has not been handed out yet.
+        # ids[_context:_done]: the window's context, already handed out; ids[_done:]: not yet
         self._context = 0
         self._done = 0
 
@@ -264,7 +235,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """The text held back, as it stands (an incomplete character stays U+FFFD, as a full
-        decode shows it). Call it when the answer ends."""
+        decode shows it)."""
         return self._piece(final=True) if self.pending else ""
 
     def _piece(self, final: bool) -> str:
