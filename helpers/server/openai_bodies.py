@@ -8,8 +8,8 @@ from typing import Any, Literal, Union
 
 from .contract import MAX_ALTERNATIVES, GenerationParams
 from .guards import invalid
-from .serving import (MAX_BEST_OF, Call, ResponseFormat, Strict, check_best_of, check_rows,
-                      checked, grammar_of, reject_extras, unsupported, validate)
+from .serving import (MAX_BEST_OF, Call, ResponseFormat, Strict, check_best_of, check_range,
+                      check_rows, checked, grammar_of, reject_extras, unsupported, validate)
 
 #: The largest ``top_logprobs`` (chat) and ``logprobs`` (completions) OpenAI allows.
 MAX_TOP_LOGPROBS = MAX_ALTERNATIVES
@@ -29,8 +29,6 @@ class StreamOptions(Strict):
 
 
 class _OpenAISampling(Strict):
-    """The fields completions and chat completions share."""
-
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -176,10 +174,8 @@ def _prompts_of(prompt) -> list:
 
 
 def _n_of(n: int | None) -> int:
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_BEST_OF:
-        raise invalid(f"`n` must be between 1 and {MAX_BEST_OF}, got {n}")
-    return n
+    check_range("n", n, 1, MAX_BEST_OF)
+    return 1 if n is None else n
 
 
 def _call(request: _OpenAISampling, params: GenerationParams, model_id: str, copies: int,
@@ -200,9 +196,7 @@ def parse_completion(data: Any, model_id: str) -> Call:
     reject_extras(request, "")
     if request.suffix is not None:
         raise unsupported("suffix", "no insertion mode")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise invalid(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
-                      f"{request.logprobs}")
+    check_range("logprobs", request.logprobs, 0, MAX_COMPLETION_LOGPROBS)
     # Missing or null: OpenAI's default for completions (not the server's, as chat gets).
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None \
         else request.max_tokens
@@ -276,8 +270,7 @@ def parse_chat(data: Any, model_id: str) -> Call:
     if max_tokens is not None and max_tokens < 1:
         raise invalid(f"`{given}` must be at least 1, got {max_tokens}")
     top = request.top_logprobs
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+    check_range("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
     if top is not None and not request.logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true")
     params = _openai_params(request, model_id, max_tokens, top or None)

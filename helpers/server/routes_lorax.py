@@ -71,7 +71,6 @@ class LoraxRequest(Strict):
 
 
 def parse_lorax(data: Any) -> Call:
-    """A LoRAX (or TGI) request body as a ``Call`` (one prompt), or an ``ApiError``."""
     request = validate(LoraxRequest, data)
     reject_extras(request, "")
     p = request.parameters or LoraxParameters()
@@ -87,8 +86,8 @@ def parse_lorax(data: Any) -> Call:
                       "(TGI) ask for the same thing: give one of them")
     alternatives = p.top_n_tokens if p.return_k_alternatives is None else p.return_k_alternatives
     if alternatives is not None and not 1 <= alternatives <= MAX_LORAX_ALTERNATIVES:
-        raise invalid(f"`parameters.return_k_alternatives` (or `top_n_tokens`) must be between "
-                      f"1 and {MAX_LORAX_ALTERNATIVES}, got {alternatives}")
+        raise invalid(f"`parameters.return_k_alternatives` (or `top_n_tokens`): alternatives "
+                      f"must be between 1 and {MAX_LORAX_ALTERNATIVES}, got {alternatives}")
     params = GenerationParams(
         max_new_tokens=p.max_new_tokens, stop=list(p.stop or []), do_sample=bool(p.do_sample),
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
@@ -130,7 +129,6 @@ def finish_details(finish) -> dict:
 
 
 def details(engine, sequence: Completion, call: Call) -> dict:
-    """The ``details`` of one sequence (LoRAX's shape, with TGI's ``top_tokens`` when asked)."""
     out = {**finish_details(sequence.finish),
            "prefill": [{k: t[k] for k in ("id", "text", "logprob")}
                        for t in sequence.prompt_tokens or []],

@@ -76,16 +76,13 @@ class Grammar(Strict):
 
 
 def validate(model: type[BaseModel], data: Any) -> BaseModel:
+    """``data`` as a ``model``, or a 422 naming each wrong field (``parameters.top_k: ...``)."""
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except PydanticValidationError as err:
-        raise invalid(describe_validation_errors(err.errors())) from None
-
-
-def describe_validation_errors(problems: list[dict]) -> str:
-    """One line per problem, each naming the field: ``parameters.max_new_tokens: ...``."""
+        problems = err.errors()
     lines = []
     for error in problems[:5]:
         loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
@@ -96,7 +93,7 @@ def describe_validation_errors(problems: list[dict]) -> str:
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(f"`{loc or 'body'}`: {message}{shown}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    return "; ".join(lines) + more
+    raise invalid("; ".join(lines) + more)
 
 
 def reject_extras(model: BaseModel, where: str) -> None:
@@ -167,15 +164,17 @@ def check_rows(prompts: int, n: int | None = 1, best_of: int | None = 1) -> None
                       f"prompts x {copies}); at most {MAX_ROWS_PER_REQUEST} per request")
 
 
+def check_range(name: str, value: int | None, low: int, high: int) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(f"`{name}` must be between {low} and {high}, got {value}")
+
+
 def check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int:
     if best_of is None:
         return n
-    if best_of < 1:
-        raise invalid(f"`{name}` must be strictly positive, got {best_of}")
+    check_range(name, best_of, 1, MAX_BEST_OF)
     if best_of < n:
         raise invalid(f"`{name}` ({best_of}) must be at least `n` ({n})")
-    if best_of > MAX_BEST_OF:
-        raise invalid(f"`{name}` may be at most {MAX_BEST_OF}, got {best_of}")
     if best_of > 1 and not sampling:
         raise invalid(f"`{name}` > 1 needs sampling (do_sample, or a temperature, top_k or "
                       f"top_p): greedy decoding would give {best_of} identical sequences")
@@ -183,7 +182,6 @@ def check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int
 
 
 def sse(data) -> str:
-    """One server-sent event, as LoRAX writes it (``data:`` then compact JSON)."""
     return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
 
 
@@ -245,7 +243,6 @@ class Runs:
         self.stopping = False
 
     def end(self, message: str) -> None:
-        """End every run in flight with a 503 error event."""
         for run in list(self.active):
             run._take([(None, ErrorEvent(message, status=503, error_type="unavailable"))])
 
