@@ -194,19 +194,17 @@ async def completion_stream(run: Run, call: Call, meta: dict):
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
-    prefixes = {}
     for s in run.completions:
-        prefixes[s] = s.prompt if call.echo else ""
         if call.echo and not call.params.prompt_logprobs:
-            yield chunk(s.index * call.n + s.copy, prefixes[s], [])
+            yield chunk(s.index * call.n + s.copy, s.prompt, [])
     async for s, event, text, tokens in released(run, call):
-        index, offset = s.index * call.n + s.copy, len(prefixes[s])
+        index, prefix = s.index * call.n + s.copy, s.prompt if call.echo else ""
         if isinstance(event, PromptEvent):         # the prompt's tokens (echo + logprobs)
-            yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
+            yield chunk(index, prefix, [], prompt=prompt_entries(s))
         elif event.finish is not None:
-            yield chunk(index, text, tokens, offset, finish_reason(s))
+            yield chunk(index, text, tokens, len(prefix), finish_reason(s))
         elif text or tokens:
-            yield chunk(index, text, tokens, offset)
+            yield chunk(index, text, tokens, len(prefix))
 
 
 # --- chat completions -----------------------------------------------------------------------
