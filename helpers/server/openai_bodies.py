@@ -90,8 +90,7 @@ class ChatRequest(_OpenAISampling):
 
 def adapter_of(model: str | None, model_id: str) -> str | None:
     """The adapter ``model`` names (None: the base model; an unknown name is the store's 404)."""
-    model = model or ""
-    return None if model in BASE_MODEL_NAMES or model == model_id else model
+    return None if (model or "") in BASE_MODEL_NAMES or model == model_id else model
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

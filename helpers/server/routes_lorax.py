@@ -1,14 +1,10 @@
 """LoRAX's routes, which are TGI's too (lesson 07).
 
-    POST /                  a JSON array with one answer, or server-sent events when the body
-                            says ``"stream": true`` (what lorax-client and InferenceClient call)
-    POST /generate          one answer (a JSON object)
+    POST /                  what lorax-client and InferenceClient call: a JSON array with one
+                            answer, or server-sent events if the body says ``"stream": true``
+    POST /generate          one answer: ``{"generated_text", "details"}``
     POST /generate_stream   server-sent events, one per token, ``data:{json}``
     POST /tokenize          TGI's: the prompt's tokens (id, text, start, stop)
-
-An answer is ``{"generated_text", "details"}``; ``details`` holds the generated tokens,
-``prefill`` the prompt's (``decoder_input_details``), ``best_of_sequences`` the sequences
-``best_of`` did not pick, and ``top_tokens`` TGI's ``top_n_tokens``.
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ class Call:
 
 
 class Strict(BaseModel):
-    # strict: "10" is not an integer, 1 not a boolean, NaN not a number; unknown keys are
-    # kept for ``reject_extras``.
+    # strict: "10" is not an integer, 1 not a boolean, NaN not a number; extras: reject_extras
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
                               allow_inf_nan=False)
 
@@ -250,9 +249,8 @@ class Runs:
 class Run:
     """The engine submission of one HTTP request, and the queue its events come on."""
 
-    def __init__(self, state, call: Call):
+    def __init__(self, state):
         self.engine, self.metrics, self.runs = state.engine, state.metrics, state.runs
-        self.call = call
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completions: list[Completion] = []
         self.handle: Handle | None = None
@@ -267,7 +265,7 @@ class Run:
         cancelled once accepted. ``errors.Unavailable`` (503) once the server stops."""
         if state.runs.stopping:
             raise errors.Unavailable("the server is shutting down")
-        run = cls(state, call)
+        run = cls(state)
         submission = Submission(call.params, call.prompts, call.messages, call.best_of)
         work = asyncio.ensure_future(run_in_threadpool(run.engine.submit, submission, run.sink))
         run.runs.active.add(run)
