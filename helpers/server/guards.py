@@ -1,8 +1,6 @@
-"""The server's door: what a request must look like before any work is spent on it, each
-refusal an ``ApiError`` that says what is wrong; a client that hangs up, sends its headers
-slowly or stops reading is let go; every answer is counted by status (``AnswerGuard``).
-(Lesson 07.)
-"""
+"""The server's door (lesson 07): each malformed request is refused with an ``ApiError`` that
+says what is wrong; a client that hangs up, sends its headers slowly or stops reading is let go;
+``AnswerGuard`` counts every answer by status."""
 
 from __future__ import annotations
 
@@ -26,21 +24,17 @@ T = TypeVar("T")
 #: Largest request body accepted, in bytes, and the seconds it may take to arrive.
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_SECONDS = 30.0
-#: Deepest nesting of arrays and objects accepted in a body (a schema three levels of
-#: properties deep nests about ten).
+#: Deepest nesting of arrays and objects in a body (a schema three properties deep nests ~10).
 MAX_JSON_DEPTH = 64
 #: Seconds a connection has to send a request's headers (uvicorn has no such limit), and to
 #: take the next piece of an answer.
 HEADER_TIMEOUT_SECONDS = 10.0
 SEND_TIMEOUT_SECONDS = 60.0
-#: The names a browser uses for this machine (any port).
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 class ApiError(Exception):
-    """An error answered as ``{"error": message, "error_type": error_type}`` with ``status``;
-    error_type is one of LoRAX's: "validation", "not_found", "overloaded", "unavailable",
-    "generation"."""
+    """Answered as ``{"error": message, "error_type": error_type}`` with ``status``; LoRAX's
+    types: "validation", "not_found", "overloaded", "unavailable", "generation"."""
 
     def __init__(self, status: int, message: str, error_type: str = "validation"):
         super().__init__(message)
@@ -50,7 +44,6 @@ class ApiError(Exception):
 
 
 def invalid(message: str, status: int = 422) -> ApiError:
-    """A validation error (422 unless told otherwise)."""
     return ApiError(status, message, "validation")
 
 
@@ -62,12 +55,12 @@ class RefusedBody(ApiError):
 
 
 class ClientGone(Exception):
-    """The client hung up before its answer was ready (see ``cancel_on_disconnect``)."""
+    """The client hung up before its answer was ready."""
 
 
 def internal_error(request, err: BaseException) -> str:
-    """Log an unexpected exception with a fresh request id; the client's message names that id
-    and no exception, path or line."""
+    """Log an unexpected exception under a fresh request id: the client's message names only
+    that id."""
     request_id = uuid.uuid4().hex[:16]
     where = f"{request.method} {request.url.path}" if request is not None else "a request"
     log.error("internal error in %s (request id %s)", where, request_id,
@@ -76,9 +69,8 @@ def internal_error(request, err: BaseException) -> str:
 
 
 def stream_failure(err: Exception, request=None) -> tuple[str, str]:
-    """``(message, error_type)`` for the event that ends a stream already started (no error
-    handler can answer any more): the server's own errors say their message, others go to
-    the log as in ``internal_error``."""
+    """``(message, error_type)`` of the event that ends a stream already started: the server's
+    own errors say their message, others are logged as in ``internal_error``."""
     if isinstance(err, ApiError):
         return err.message, err.error_type
     if isinstance(err, EngineError):
@@ -87,13 +79,12 @@ def stream_failure(err: Exception, request=None) -> tuple[str, str]:
 
 
 def require_json(request) -> None:
-    """415 unless the request says its body is JSON (``application/json``, UTF-8 if it names
-    a charset). Browsers send ``text/plain`` cross-site without a preflight: refusing it keeps
-    web pages from posting to this server through a visitor's browser."""
+    """415 unless the body is declared ``application/json`` (UTF-8 if a charset is named).
+    Browsers post ``text/plain`` cross-site without a preflight: refusing it keeps web pages
+    from posting here through a visitor's browser."""
     given = request.headers.get("content-type")
     media, _, rest = (given or "").partition(";")
-    media = media.strip().lower()
-    if media != "application/json":
+    if media.strip().lower() != "application/json":
         shown = f"Content-Type {given!r}" if given else "no Content-Type"
         raise RefusedBody(415, f"the request body must be JSON sent with Content-Type: "
                           f"application/json (got {shown})")
@@ -105,9 +96,8 @@ def require_json(request) -> None:
 
 async def read_body(request, limit: int = MAX_BODY_BYTES,
                     timeout: float = BODY_TIMEOUT_SECONDS) -> bytes:
-    """The request's body, at most ``limit`` bytes, read within ``timeout`` seconds. A
-    Content-Length above the limit is refused before anything is read; a chunked body is
-    counted as it arrives and refused one chunk past the limit (413, connection closed)."""
+    """The body, at most ``limit`` bytes, read within ``timeout`` seconds: a Content-Length over
+    the limit is refused before reading, a chunked body one chunk past it (413)."""
     length = request.headers.get("content-length")
     if length is not None:
         if not re.fullmatch(r"[0-9]{1,18}", length.strip()):
@@ -133,23 +123,18 @@ async def read_body(request, limit: int = MAX_BODY_BYTES,
 
 
 async def read_json(request):
-    """The request's JSON body: ``require_json``, then ``read_body``, then ``parse_json``."""
     require_json(request)
     return parse_json(await read_body(request))
 
 
-class _NotJson(ValueError):
-    pass
-
-
 def _refuse_constant(name: str):
-    raise _NotJson(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):     # 1e999 parses as inf
-        raise _NotJson(f"the number {text[:30]} is too large for a 64-bit float")
+        raise ValueError(f"the number {text[:30]} is too large for a 64-bit float")
     return value
 
 
@@ -160,16 +145,16 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def json_depth(text: str) -> int:
-    """How deeply arrays and objects nest in ``text`` (brackets inside strings don't count):
-    two regular-expression passes and a running sum, cheap enough to run before parsing."""
+    """How deeply arrays and objects nest in ``text`` (not counting brackets in strings),
+    cheaply enough to run before parsing."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
 
 
 def parse_json(raw: bytes) -> Any:
-    """The body as JSON, strictly: UTF-8, no NaN/Infinity, no number too large for a float,
-    no lone surrogate escape (no UTF-8 encoder can write it back), at most ``MAX_JSON_DEPTH``
-    levels. Python's ``json`` takes all of these; here each is a 400 that says what is wrong."""
+    """The body as strict JSON: UTF-8, no NaN/Infinity or float overflow, no lone surrogate
+    escape (UTF-8 cannot write it back), at most ``MAX_JSON_DEPTH`` levels. Python's ``json``
+    takes all of these; here each is a 400 that says what is wrong."""
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object", 400)
     try:
@@ -186,11 +171,9 @@ def parse_json(raw: bytes) -> Any:
     except json.JSONDecodeError as err:
         raise invalid(f"the request body is not valid JSON: {err.msg} (line {err.lineno}, "
                       f"column {err.colno})", 400) from None
-    except _NotJson as err:
-        raise invalid(f"the request body is not valid JSON: {err}", 400) from None
-    except ValueError as err:               # e.g. an integer of more than 4300 digits
-        raise invalid(f"the request body cannot be read as JSON: "
-                      f"{str(err).split(';')[0][:120]}", 400) from None
+    except ValueError as err:      # the hooks above, or an integer of more than 4300 digits
+        raise invalid(f"the request body is not valid JSON: {str(err).split(';')[0][:120]}",
+                      400) from None
     if _SURROGATE_ESCAPE.search(text):        # only then can a string hold a lone surrogate
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -203,11 +186,9 @@ def parse_json(raw: bytes) -> Any:
 
 async def cancel_on_disconnect(request, work: Awaitable[T],
                                on_gone: Callable[[], None] | None = None) -> T:
-    """Run ``work`` (a coroutine) until it finishes or the client hangs up, whichever is first.
-    If the client goes, ``on_gone()`` is called, ``work`` is cancelled (its ``finally`` blocks
-    cancel its engine requests: the rows leave the batch at the next step) and ``ClientGone``
-    is raised. (Once the body has been read, the only ASGI message left to come is
-    ``http.disconnect``.)"""
+    """Await ``work`` unless the client hangs up first: then call ``on_gone()``, cancel ``work``
+    (its ``finally`` blocks cancel its engine requests) and raise ``ClientGone``. Once the body
+    is read, the only ASGI message left to come is ``http.disconnect``."""
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -230,20 +211,19 @@ async def cancel_on_disconnect(request, work: Awaitable[T],
 
 
 def _refusal(message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """``(body, headers)`` of an error answered below the application (by the protocol or a
-    middleware), in LoRAX's shape; the connection closes after it."""
+    """``(body, headers)`` of an error answered below the application, in LoRAX's shape; the
+    connection closes after it."""
     body = json.dumps({"error": message, "error_type": "validation"}).encode()
     return body, [(b"content-type", b"application/json"), (b"connection", b"close"),
                   (b"content-length", str(len(body)).encode())]
 
 
 def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
-    """uvicorn's h11 HTTP protocol (for ``uvicorn.Config(http=...)``) with two guards: a
-    connection whose request headers have not all come within ``header_timeout`` seconds is
-    closed (a client sending them a byte at a time would hold it as long as it likes); a
-    request with both Transfer-Encoding and Content-Length is answered 400 and the connection
-    closed (RFC 9112 section 6.1: h11 would frame it by the chunks and keep the connection,
-    so a proxy that goes by Content-Length would pass on a request hidden after them)."""
+    """uvicorn's h11 protocol (``uvicorn.Config(http=...)``) with two guards: a connection
+    whose headers have not all come within ``header_timeout`` seconds is closed (a byte at a
+    time would hold it forever); a request with both Transfer-Encoding and Content-Length gets
+    400 and the connection closes (RFC 9112 section 6.1: h11 would frame it by the chunks, so a
+    proxy going by Content-Length would pass on a request hidden after them)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -254,16 +234,13 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
             # request's headers pass through _next_event before uvicorn sees them.
             self._h11_next_event = self.conn.next_event
             self.conn.next_event = self._next_event
+            self._header_timer = None
 
         def _next_event(self):
             event = self._h11_next_event()
             names = {n for n, _ in event.headers} if isinstance(event, h11.Request) else set()
-            if {b"transfer-encoding", b"content-length"} <= names:
-                self._refuse_two_framings()
-                return h11.NEED_DATA       # uvicorn reads no further; the connection closes
-            return event
-
-        def _refuse_two_framings(self) -> None:
+            if not {b"transfer-encoding", b"content-length"} <= names:
+                return event
             log.warning("refused a request framed twice (Transfer-Encoding and Content-Length)"
                         " from %s", self.client)
             body, headers = _refusal("a request may not carry both Transfer-Encoding and "
@@ -272,10 +249,10 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
                           h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
             self.transport.close()
+            return h11.NEED_DATA           # uvicorn reads no further; the connection closes
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._header_timer = None
             self._arm()
 
         def _arm(self) -> None:
@@ -284,7 +261,7 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
             self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
 
         def _disarm(self) -> None:
-            if getattr(self, "_header_timer", None) is not None:
+            if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
@@ -311,9 +288,8 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS):
 
 
 class AnswerGuard:
-    """ASGI middleware around every answer: it counts the answer by status code into
-    ``responses`` (for /metrics; only the event loop writes it), and drops a client that stops
-    reading once one write has waited ``timeout`` seconds (uvicorn has no write timeout)."""
+    """ASGI middleware: counts each answer by status into ``responses`` (for /metrics), and
+    drops a client once one write has waited ``timeout`` seconds (uvicorn has no write timeout)."""
 
     def __init__(self, app, responses: Counter, timeout: float = SEND_TIMEOUT_SECONDS):
         self.app = app
@@ -345,7 +321,7 @@ class AnswerGuard:
 
 
 def is_loopback(host: str) -> bool:
-    """True for an address that only this machine can reach (127.x.x.x, ::1, localhost)."""
+    """True for an address only this machine can reach (127.x.x.x, ::1, localhost)."""
     try:
         return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
@@ -361,19 +337,16 @@ def _host_name(header: str) -> str:
 
 
 class LoopbackHosts:
-    """ASGI middleware for a server that listens on this machine only: a request whose Host
-    is not a loopback name is refused (403). A page whose name its author points at 127.0.0.1
-    once loaded (DNS rebinding) still sends that name in Host."""
+    """ASGI middleware for a server on this machine only: a Host that is not a loopback name
+    is refused (403), as a page whose name is pointed at 127.0.0.1 (DNS rebinding) sends it."""
 
-    def __init__(self, app, names=LOOPBACK_NAMES):
+    def __init__(self, app):
         self.app = app
-        self.names = set(names)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            name = _host_name(host)
-            if name not in self.names and not is_loopback(name):
+            if not is_loopback(_host_name(host)):
                 body, headers = _refusal(f"this server answers requests addressed to this "
                                          f"machine only (Host: {host[:100]!r})")
                 await send({"type": "http.response.start", "status": 403, "headers": headers})

@@ -1,10 +1,5 @@
-"""OpenAI's request bodies, parsed into a ``Call`` for the routes of ``routes_openai.py``.
-(Lesson 07.)
-
-``POST /v1/completions`` takes ``{"model", "prompt", "max_tokens", ...}``, ``POST
-/v1/chat/completions`` ``{"model", "messages", ...}``; the adapter's name goes in ``model``.
-The checks both dialects make are in ``serving.py``.
-"""
+"""OpenAI's request bodies as a ``Call`` for ``routes_openai.py`` (lesson 07); the adapter's
+name goes in ``model``."""
 
 from __future__ import annotations
 
@@ -13,35 +8,27 @@ from typing import Any, Literal, Union
 
 from .contract import MAX_ALTERNATIVES, GenerationParams
 from .guards import invalid
-from .serving import (MAX_BEST_OF, Call, ResponseFormat, Strict, check_best_of, check_rows,
-                      checked, grammar_of, reject_extras, unsupported, validate)
+from .serving import (MAX_BEST_OF, Call, ResponseFormat, Strict, check_best_of, check_range,
+                      check_rows, checked, grammar_of, reject_extras, unsupported, validate)
 
-#: OpenAI chat's ``top_logprobs`` (0 to 20, as OpenAI allows)
+#: The largest ``top_logprobs`` (chat) and ``logprobs`` (completions) OpenAI allows.
 MAX_TOP_LOGPROBS = MAX_ALTERNATIVES
-#: OpenAI completions' ``logprobs`` (0 to 5, as OpenAI's legacy completions allow)
 MAX_COMPLETION_LOGPROBS = 5
-#: Names in an OpenAI ``model`` field that mean "the base model, no adapter": "" and "base",
-#: "dummy" (what huggingface_hub's InferenceClient sends when it was given a URL) and "tgi"
-#: (what TGI's examples send).
+#: ``model`` names meaning "the base model": "dummy" is what InferenceClient sends when given
+#: a URL, "tgi" what TGI's examples send.
 BASE_MODEL_NAMES = ("", "base", "__base__", "dummy", "tgi")
-#: Prompts one OpenAI completions request may hold.
+#: Prompts in one completions request, messages in one chat request.
 MAX_PROMPTS = 16
-#: Messages in one chat request.
 MAX_MESSAGES = 256
-#: New tokens of a completions request without ``max_tokens`` (or with ``max_tokens: null``):
-#: OpenAI's default for its (legacy) completions.
+#: New tokens of a completions request without ``max_tokens``: OpenAI's default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class StreamOptions(Strict):
-    """OpenAI's ``stream_options``: of its options only ``include_usage`` exists here."""
-
     include_usage: bool | None = None
 
 
 class _OpenAISampling(Strict):
-    """The fields OpenAI's completions and chat completions share."""
-
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -65,13 +52,10 @@ class _OpenAISampling(Strict):
 
 
 class CompletionRequest(_OpenAISampling):
-    """An OpenAI ``/v1/completions`` body. ``model`` names the adapter (or the base model);
-    ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists."""
-
-    # list[int] before list[str]: a long list of token ids then validates in one pass (smart
-    # unions try the members in order, and a failing list[str] would list an error per item).
+    # list[int] first: a long list of token ids then validates in one pass (smart unions try
+    # the members in order, and a failing list[str] would list an error per item).
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = None         # None (missing or null): OpenAI's default, 16
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -79,9 +63,8 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ChatMessage(Strict):
-    """One chat message: ``content`` is a text or a list of ``{"type": "text", "text": ...}``
-    parts (this model reads no images). The tool-calling roles and fields are known here only
-    so that ``parse_chat`` can refuse them by name."""
+    """``content`` is a text or ``{"type": "text", "text": ...}`` parts; the tool-calling roles
+    and fields are here only so that ``parse_chat`` can refuse them by name."""
 
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Union[str, list[dict], None] = None
@@ -92,15 +75,12 @@ class ChatMessage(Strict):
 
 
 class ChatRequest(_OpenAISampling):
-    """An OpenAI ``/v1/chat/completions`` body."""
-
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Tool calling, which this server refuses by name (``_refuse_tools``); Any, so that every
-    # value reaches that check and its message.
+    # Any, so that every value reaches ``_refuse_tools`` and its message.
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -109,10 +89,8 @@ class ChatRequest(_OpenAISampling):
 
 
 def adapter_of(model: str | None, model_id: str) -> str | None:
-    """The adapter an OpenAI ``model`` field names (None: the base model). An unknown name
-    goes to the adapter store, which answers 404 naming it."""
-    model = model or ""
-    return None if model in BASE_MODEL_NAMES or model == model_id else model
+    """The adapter ``model`` names (None: the base model; an unknown name is the store's 404)."""
+    return None if (model or "") in BASE_MODEL_NAMES or model == model_id else model
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -127,7 +105,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | None,
                    alternatives: int | None) -> GenerationParams:
-    """GenerationParams from the fields completions and chat completions share."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = GenerationParams(
         max_new_tokens=max_tokens, stop=stop, temperature=request.temperature,
@@ -147,8 +124,7 @@ def _openai_params(request: _OpenAISampling, model_id: str, max_tokens: int | No
 
 
 def _include_usage(request: _OpenAISampling) -> bool:
-    """Whether a stream ends with the usage chunk. ``stream_options`` only with ``stream: true``
-    (as OpenAI: it says how to stream); ``null`` is accepted either way."""
+    """Whether a stream ends with the usage chunk; ``stream_options`` (not null) needs a stream."""
     if request.stream_options is None:
         return False
     if request.stream is not True:
@@ -159,21 +135,20 @@ def _include_usage(request: _OpenAISampling) -> bool:
 
 
 def _is_token_ids(value) -> bool:
-    """A non-empty list of integers (JSON's true and false are not): one prompt as token ids."""
+    """One prompt as token ids: a non-empty list of integers (not booleans)."""
     return isinstance(value, list) and bool(value) and all(type(x) is int for x in value)
 
 
 def _check_prompt_count(data: Any) -> None:
-    """OpenAI's ``prompt`` is one text, one list of token ids (one prompt, however long: the
-    engine bounds its length by its longest input), or a list of texts or of token-id lists
-    (several prompts, at most ``MAX_PROMPTS``). This runs before validating the list item by
-    item (as ``parse_chat`` does for ``messages``); a long list not all integers is prompts."""
+    """At most ``MAX_PROMPTS`` prompts, and a shape that is one of the four, checked before
+    validating item by item (as ``parse_chat`` does for ``messages``). One list of token ids is
+    one prompt, however long (the engine bounds it)."""
     value = data.get("prompt") if isinstance(data, dict) else None
     if isinstance(value, list) and len(value) > MAX_PROMPTS and not _is_token_ids(value):
         raise invalid(f"`prompt` holds {len(value)} items; at most {MAX_PROMPTS} per request "
                       f"(a list of texts or of token-id lists is that many prompts; one prompt "
                       f"given as token ids is a flat list of integers)")
-    # A shape that is none of the four: one message, not one per member of the union.
+    # A shape that is none of them: one message, not one per member of the union.
     items = value if isinstance(value, list) else [value]
     leaves = [x for item in items for x in (item if isinstance(item, list) else [item])]
     wrong = [x for x in leaves if not isinstance(x, (str, int)) or isinstance(x, bool)]
@@ -184,14 +159,10 @@ def _check_prompt_count(data: Any) -> None:
 
 
 def _prompts_of(prompt) -> list:
-    """OpenAI's four prompt shapes as a list of prompts (each a string or a list of ids); their
-    number was checked before validating (``_check_prompt_count``)."""
+    """OpenAI's four prompt shapes as a list of prompts (strings or lists of ids)."""
     if isinstance(prompt, str):
         return [prompt]
-    if _is_token_ids(prompt):
-        prompts = [list(prompt)]               # one prompt given as token ids
-    else:
-        prompts = list(prompt)
+    prompts = [list(prompt)] if _is_token_ids(prompt) else list(prompt)
     if not prompts:
         raise invalid("`prompt` is an empty list: give at least one prompt")
     for ids in prompts:
@@ -202,78 +173,63 @@ def _prompts_of(prompt) -> list:
 
 
 def _n_of(n: int | None) -> int:
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_BEST_OF:
-        raise invalid(f"`n` must be between 1 and {MAX_BEST_OF}, got {n}")
-    return n
+    check_range("n", n, 1, MAX_BEST_OF)
+    return 1 if n is None else n
 
 
-def _sample_if_several(params: GenerationParams, request: _OpenAISampling, copies: int) -> None:
-    """Without a temperature this server decodes greedily (OpenAI's default is 1). Several
-    sequences of one prompt would then all be the same, so they sample at OpenAI's default
-    temperature 1 instead; an explicit ``temperature=0`` still gives identical copies."""
+def _call(request: _OpenAISampling, params: GenerationParams, model_id: str, copies: int,
+          **fields) -> Call:
+    """The body's ``Call``. Several copies of a prompt without a temperature sample at OpenAI's
+    default 1 (this server's default is greedy: they would all be the same); 0 stays 0."""
     if copies > 1 and request.temperature is None and not params.sampling:
         params.temperature = 1.0
+    return Call(params=params, stream=bool(request.stream), include_usage=_include_usage(request),
+                model=request.model if params.adapter_id else model_id, **fields)
 
 
 def parse_completion(data: Any, model_id: str) -> Call:
-    """An OpenAI completions body as a ``Call``, or an ``ApiError``. ``max_tokens`` 0 with
-    ``echo`` and ``logprobs`` scores the prompt and generates nothing (the loglikelihood
-    request of evaluation harnesses)."""
+    """A completions body as a ``Call``. ``max_tokens`` 0 with ``echo`` and ``logprobs`` scores
+    the prompt only (evaluation harnesses' loglikelihood request)."""
     _check_prompt_count(data)
     request = validate(CompletionRequest, data)
     reject_extras(request, "")
     if request.suffix is not None:
         raise unsupported("suffix", "no insertion mode")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise invalid(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
-                      f"{request.logprobs}")
-    # Missing and null mean the same: OpenAI's default for completions (not the server's
-    # default, which LoRAX requests and chat get).
+    check_range("logprobs", request.logprobs, 0, MAX_COMPLETION_LOGPROBS)
+    # Missing or null: OpenAI's default for completions (not the server's, as chat gets).
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None \
         else request.max_tokens
     if max_tokens < 0:
         raise invalid(f"`max_tokens` must not be negative, got {max_tokens}")
     params = _openai_params(request, model_id, max_tokens, request.logprobs or None)
     params.prompt_logprobs = bool(request.echo) and request.logprobs is not None
-    stream = bool(request.stream)
     n = _n_of(request.n)
     best_of = check_best_of(request.best_of, n, True, "best_of")
-    _sample_if_several(params, request, best_of)
-    if best_of > n and stream:
+    if best_of > n and request.stream:
         raise invalid("`best_of` cannot be streamed: the best sequence is known only at the end")
     prompts = _prompts_of(request.prompt)
     check_rows(len(prompts), n, best_of)
-    return Call(prompts, params, stream=stream, best_of=best_of, n=n,
-                echo=bool(request.echo), logprobs=request.logprobs,
-                include_usage=_include_usage(request),
-                model=request.model if params.adapter_id else model_id)
+    return _call(request, params, model_id, best_of, prompts=prompts, best_of=best_of, n=n,
+                 echo=bool(request.echo), logprobs=request.logprobs)
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
     content = message.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
+    if content is None or isinstance(content, str):
+        return content or ""
     for part in content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise invalid(f"`messages[{index}].content` holds a {part.get('type')!r} part; "
                           f"this model reads text parts only")
-        parts.append(part["text"])
-    return "".join(parts)
+    return "".join(part["text"] for part in content)
 
 
-#: Why tool calling is refused, in every message about it.
 _NO_TOOLS = "the model cannot call tools"
 
 
 def _refuse_tools(request: ChatRequest) -> None:
-    """Tool (and legacy function) calling is refused, naming the field: this model cannot call
-    tools, and an answer that ignored them would look like a model that chose not to. Each
-    field's "off" value (``off`` below: "none" is OpenAI's "call no tool") asks for what this
-    server does anyway, and is accepted."""
+    """Tool (and function) calling is refused by field: an answer that ignored the tools would
+    look like a model that chose not to call one. Each field's "off" value is accepted."""
     off = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
            "function_call": (None, "none"), "parallel_tool_calls": (None, False)}
     for name, values in off.items():
@@ -293,11 +249,9 @@ def _refuse_tools(request: ChatRequest) -> None:
 
 
 def parse_chat(data: Any, model_id: str) -> Call:
-    """An OpenAI chat completions body as a ``Call`` whose ``messages`` are
-    ``[{"role", "content"}]`` with text content; the engine turns them into the prompt with
-    the model's chat template (``admission.py``, ``tokens.py``)."""
-    # A list longer than the server takes is refused before validating it item by item (a
-    # cheap body of 200,000 tiny messages would otherwise keep the event loop busy).
+    """A chat body as a ``Call`` whose ``messages`` are ``[{"role", "content"}]``, texts that
+    the engine puts through the chat template."""
+    # Counted before validating item by item: 200,000 tiny messages would keep the loop busy.
     messages = data.get("messages") if isinstance(data, dict) else None
     if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
         raise invalid(f"`messages` holds {len(messages)} items; at most {MAX_MESSAGES} per request")
@@ -308,16 +262,14 @@ def parse_chat(data: Any, model_id: str) -> Call:
     _refuse_tools(request)
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         raise invalid("give `max_completion_tokens` or `max_tokens`, not both")
-    # Missing and null mean the same (neither field given: the server's default, capped by
-    # the room the model has left); OpenAI's chat has no fixed default either.
+    # Neither given (or null): the server's default, capped by the room left (OpenAI has none).
     given = "max_completion_tokens" if request.max_completion_tokens is not None \
         else "max_tokens"
     max_tokens = getattr(request, given)
     if max_tokens is not None and max_tokens < 1:
         raise invalid(f"`{given}` must be at least 1, got {max_tokens}")
     top = request.top_logprobs
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+    check_range("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
     if top is not None and not request.logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true")
     params = _openai_params(request, model_id, max_tokens, top or None)
@@ -328,9 +280,6 @@ def parse_chat(data: Any, model_id: str) -> Call:
             f"every `content` of the {len(messages)} messages"
         raise invalid(f"{where} is missing or empty: give the model some text")
     n = _n_of(request.n)
-    _sample_if_several(params, request, n)
     check_rows(1, n, n)
-    return Call([], params, stream=bool(request.stream), best_of=n, n=n,
-                logprobs=(top or 0) if request.logprobs else None,
-                include_usage=_include_usage(request),
-                model=request.model if params.adapter_id else model_id, messages=messages)
+    return _call(request, params, model_id, n, prompts=[], best_of=n, n=n, messages=messages,
+                 logprobs=(top or 0) if request.logprobs else None)

@@ -1,19 +1,10 @@
-"""LoRAX's routes (and TGI's: the same protocol). (Lesson 07.)
+"""LoRAX's routes, which are TGI's too (lesson 07).
 
-    POST /                  a JSON array with one answer, or server-sent events when the body
-                            says ``"stream": true`` (what lorax-client and huggingface_hub's
-                            InferenceClient call)
-    POST /generate          one answer (a JSON object)
+    POST /                  what lorax-client and InferenceClient call: a JSON array with one
+                            answer, or server-sent events if the body says ``"stream": true``
+    POST /generate          one answer: ``{"generated_text", "details"}``
     POST /generate_stream   server-sent events, one per token, ``data:{json}``
-    POST /tokenize          TGI's: the prompt's tokens (id, text, start, stop), read as
-                            /generate reads it
-
-A LoRAX answer is ``{"generated_text", "details"}``; ``details`` lists every generated token
-(id, text, log probability, special, and ``alternative_tokens`` when
-``return_k_alternatives`` asked for them), ``prefill`` lists the prompt's tokens with their log
-probabilities when ``decoder_input_details`` asked for them (the first has none: nothing comes
-before it), and ``best_of_sequences`` the sequences that ``best_of`` generated and did not pick.
-TGI's ``top_n_tokens`` is answered as TGI does too, in ``details.top_tokens``.
+    POST /tokenize          TGI's: the prompt's tokens (id, text, start, stop)
 """
 
 from __future__ import annotations
@@ -31,16 +22,15 @@ from .serving import (Call, Completion, Grammar, ResponseFormat, Run, Strict, ch
                       check_rows, checked, event_stream, grammar_of, pick, reject_extras, sse,
                       unsupported, validate)
 
-#: Alternatives per token a request may ask for (``return_k_alternatives``, TGI's
-#: ``top_n_tokens``); the engine's bound, ``contract.MAX_ALTERNATIVES``, is OpenAI chat's 20.
+#: Alternatives per token (``return_k_alternatives``, ``top_n_tokens``); the engine allows 20.
 MAX_LORAX_ALTERNATIVES = 10
 
 router = APIRouter()
 
 
 class LoraxParameters(Strict):
-    """The ``parameters`` object of a LoRAX request: every field lorax-client 0.6.3 sends, and
-    the TGI ones huggingface_hub's ``InferenceClient.text_generation`` adds."""
+    """A LoRAX request's ``parameters``: every field lorax-client 0.6.3 sends, and the TGI ones
+    of huggingface_hub's ``InferenceClient.text_generation``."""
 
     adapter_id: str | None = None
     adapter_source: str | None = None
@@ -71,15 +61,12 @@ class LoraxParameters(Strict):
 
 
 class LoraxRequest(Strict):
-    """A LoRAX (or TGI) request body."""
-
     inputs: str
     parameters: LoraxParameters | None = None
     stream: bool | None = None
 
 
 def parse_lorax(data: Any) -> Call:
-    """A LoRAX (or TGI) request body as a ``Call`` (one prompt), or an ``ApiError``."""
     request = validate(LoraxRequest, data)
     reject_extras(request, "")
     p = request.parameters or LoraxParameters()
@@ -93,12 +80,10 @@ def parse_lorax(data: Any) -> Call:
     if p.return_k_alternatives is not None and p.top_n_tokens is not None:
         raise invalid("`parameters.return_k_alternatives` (LoRAX) and `parameters.top_n_tokens` "
                       "(TGI) ask for the same thing: give one of them")
-    alternatives = p.return_k_alternatives if p.return_k_alternatives is not None \
-        else p.top_n_tokens
+    alternatives = p.top_n_tokens if p.return_k_alternatives is None else p.return_k_alternatives
     if alternatives is not None and not 1 <= alternatives <= MAX_LORAX_ALTERNATIVES:
         raise invalid(f"`parameters.return_k_alternatives` (or `top_n_tokens`): alternatives "
-                      f"per token must be between 1 and {MAX_LORAX_ALTERNATIVES}, got "
-                      f"{alternatives}")
+                      f"must be between 1 and {MAX_LORAX_ALTERNATIVES}, got {alternatives}")
     params = GenerationParams(
         max_new_tokens=p.max_new_tokens, stop=list(p.stop or []), do_sample=bool(p.do_sample),
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
@@ -129,18 +114,18 @@ async def parse(request: Request) -> Call:
 
 
 def top_tokens(engine, token: dict) -> list[dict]:
-    """TGI's ``top_tokens`` entry of one generated token: its alternatives, each with
-    ``special`` (LoRAX's ``alternative_tokens`` have no such field)."""
-    special = engine.special_ids
-    return [{**alt, "special": alt["id"] in special}
+    """TGI's ``top_tokens`` of one token: its alternatives, each with ``special``."""
+    return [{**alt, "special": alt["id"] in engine.special_ids}
             for alt in token.get("alternative_tokens") or []]
 
 
+def finish_details(finish) -> dict:
+    return {"finish_reason": finish.reason, "prompt_tokens": finish.prompt_tokens,
+            "generated_tokens": finish.generated_tokens, "seed": finish.seed}
+
+
 def details(engine, sequence: Completion, call: Call) -> dict:
-    """The ``details`` of one sequence (LoRAX's shape, with TGI's ``top_tokens`` when asked)."""
-    finish = sequence.finish
-    out = {"finish_reason": finish.reason, "prompt_tokens": finish.prompt_tokens,
-           "generated_tokens": finish.generated_tokens, "seed": finish.seed,
+    out = {**finish_details(sequence.finish),
            "prefill": [{k: t[k] for k in ("id", "text", "logprob")}
                        for t in sequence.prompt_tokens or []],
            "tokens": sequence.tokens}
@@ -153,10 +138,12 @@ def generated_text(sequence: Completion, call: Call) -> str:
     return (sequence.prompt if call.params.return_full_text else "") + sequence.finish.text
 
 
-def answer(engine, sequences: list[Completion], call: Call) -> dict:
+async def generate_answer(request: Request, call: Call) -> dict:
     """The answer to a non-streaming request: the best of its sequences (one unless
     ``best_of``), the others in ``details.best_of_sequences``."""
-    best, *others = pick(sequences, len(sequences))
+    engine = request.app.state.engine
+    run = await Run.start(request.app.state, call)
+    best, *others = pick(await run.collect(request), call.best_of)
     out = {"generated_text": generated_text(best, call)}
     if call.params.details:
         out["details"] = {**details(engine, best, call), "best_of_sequences": None}
@@ -168,37 +155,24 @@ def answer(engine, sequences: list[Completion], call: Call) -> dict:
     return out
 
 
-async def generate_answer(request: Request, call: Call) -> dict:
-    run = await Run.start(request.app.state, call)
-    return answer(request.app.state.engine, await run.collect(request), call)
-
-
-def stream_message(engine, sequence: Completion, event: TokenEvent, call: Call) -> dict:
-    """One server-sent event: the token; on the last one also the text and the details."""
-    message = {"index": 0, "token": event.token, "generated_text": None, "details": None}
-    if call.params.alternatives:
-        message["top_tokens"] = top_tokens(engine, event.token)
-    finish = event.finish
-    if finish is not None:
-        message["generated_text"] = generated_text(sequence, call)
-        message["details"] = {"finish_reason": finish.reason,
-                              "prompt_tokens": finish.prompt_tokens,
-                              "input_length": finish.prompt_tokens,       # TGI's name
-                              "generated_tokens": finish.generated_tokens,
-                              "seed": finish.seed}
-    return message
-
-
 async def stream(request: Request, call: Call) -> StreamingResponse:
-    """Server-sent events, one per generated token. The request is admitted and queued before
-    the response starts, so a refused request is an HTTP error, not an event."""
+    """Server-sent events, one per token, the last with the text and the details. The request
+    is admitted before the response starts, so a refusal is an HTTP error, not an event."""
     engine = request.app.state.engine
     run = await Run.start(request.app.state, call)
 
     async def messages():
         async for sequence, event in run.events():
-            if isinstance(event, TokenEvent) and event.token is not None:   # not the prompt
-                yield sse(stream_message(engine, sequence, event, call))
+            if not isinstance(event, TokenEvent) or event.token is None:     # the prompt
+                continue
+            message = {"index": 0, "token": event.token, "generated_text": None, "details": None}
+            if call.params.alternatives:
+                message["top_tokens"] = top_tokens(engine, event.token)
+            if event.finish is not None:
+                message["generated_text"] = generated_text(sequence, call)
+                message["details"] = {**finish_details(event.finish),      # and TGI's name:
+                                      "input_length": event.finish.prompt_tokens}
+            yield sse(message)
 
     return event_stream(request, run, messages(),
                         lambda message, error_type: {"error": message, "error_type": error_type})

@@ -1,15 +1,12 @@
-"""OpenAI's routes. (Lesson 07.)
+"""OpenAI's routes (lesson 07).
 
     POST /v1/completions         completions (``stream`` too); the adapter goes in ``model``
-    POST /v1/chat/completions    chat completions (``stream`` too); the engine writes the
-                                 messages out with the model's chat template
+    POST /v1/chat/completions    chat completions (``stream`` too), through the chat template
     GET  /v1/models              the base model and the adapters
     GET  /v1/models/{id}         one of them (404 for a name this server does not serve)
 
-What differs from LoRAX's answers: a matched stop sequence is cut from the text, and so are its
-tokens from the log probabilities (a token that begins before the cut and runs into the stop
-sequence stays: part of it is in the text); special tokens (the end token) are never part of
-the text; ``n`` and ``best_of`` return the best sequences as separate choices.
+Unlike LoRAX's answers, the text leaves out a matched stop sequence (and its tokens) and the
+special tokens; ``n`` and ``best_of`` return the best sequences as separate choices.
 """
 
 from __future__ import annotations
@@ -34,10 +31,8 @@ def finish_reason(sequence: Completion) -> str:
 
 
 def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
-    """The generated text as OpenAI returns it (no special tokens, as vLLM's
-    ``skip_special_tokens``; no matched stop sequence), built from the tokens' own pieces so
-    that a streamed answer and a whole one agree, and the tokens in it, each with where it
-    starts (the one the stop sequence begins in too, when part of it is in the text)."""
+    """The text as OpenAI returns it (no special tokens, no matched stop sequence), built from
+    the tokens' pieces so that a streamed answer agrees, and the ``(start, token)`` in it."""
     finish = sequence.finish
     stop_at = finish.stop_at if finish.reason == "stop_sequence" else None
     text, kept, engine_offset = "", [], 0    # engine_offset: where the engine's text is
@@ -47,8 +42,7 @@ def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
         if token["special"]:
             continue
         if stop_at is not None and engine_offset > stop_at:
-            # The token the stop sequence starts in: its text before the stop stays in the
-            # answer, and so does the token, if any of it is there.
+            # The token the stop sequence starts in stays if any of its text comes before.
             if stop_at > start:
                 kept.append((len(text), token))
             return text + piece[:max(0, stop_at - start)], kept
@@ -59,8 +53,7 @@ def cut(sequence: Completion) -> tuple[str, list[tuple[int, dict]]]:
 
 def usage(sequences: list[Completion]) -> dict:
     """Token counts: each prompt once, every generated sequence (chosen or not)."""
-    prompts = {s.index: s.finish.prompt_tokens for s in sequences}
-    prompt_tokens = sum(prompts.values())
+    prompt_tokens = sum({s.index: s.finish.prompt_tokens for s in sequences}.values())
     completion_tokens = sum(s.finish.generated_tokens for s in sequences)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -76,22 +69,16 @@ def top_of(token: dict) -> dict:
     return {alt["text"]: alt["logprob"] for alt in token.get("alternative_tokens") or []}
 
 
-async def start(request: Request, parser) -> tuple[Run, Call]:
-    """Read the body with ``parser`` and start its run."""
+async def answer(request: Request, parser, kind: str, stream, choice) -> JSONResponse:
+    """A route's whole answer to the body read by ``parser``: ``stream(run, call, meta)``'s
+    chunks, or ``choice(sequence, call, index)`` of the ``n`` best of each prompt's copies."""
     call = parser(await guards.read_json(request), request.app.state.engine.model_id)
     try:
-        return await Run.start(request.app.state, call), call
+        run = await Run.start(request.app.state, call)
     except errors.EngineError as err:      # the adapter came in `model`: say that field
         if err.message.startswith("adapter_id "):
             raise type(err)("`model`" + err.message[len("adapter_id"):]) from None
         raise
-
-
-async def answer(request: Request, parser, kind: str, stream, choice) -> JSONResponse:
-    """A route's whole answer: ``stream(run, call, meta)``'s chunks when the body asks for a
-    stream, else ``choice(sequence, call, index)`` for each sequence returned (the ``n`` best
-    of each prompt's copies, prompt by prompt)."""
-    run, call = await start(request, parser)
     if call.stream:
         # OpenAI names a chat stream's objects "chat.completion.chunk"
         meta = header(f"{kind}.chunk" if kind == "chat.completion" else kind, call)
@@ -117,7 +104,7 @@ async def answer(request: Request, parser, kind: str, stream, choice) -> JSONRes
 
 def completion_logprobs(tokens: list[tuple[int, dict]], offset: int = 0, prompt=()) -> dict:
     """OpenAI's completions ``logprobs``: the ``prompt_entries`` given, then ``tokens``
-    (``(start, token)``, the starts counted from ``offset``)."""
+    (``(start, token)``, starts counted from ``offset``)."""
     entries = list(prompt) + [(offset + start, t["text"], t["logprob"], top_of(t))
                               for start, t in tokens]
     return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
@@ -125,8 +112,8 @@ def completion_logprobs(tokens: list[tuple[int, dict]], offset: int = 0, prompt=
 
 
 def prompt_entries(sequence: Completion) -> list[tuple]:
-    """The echoed prompt's tokens as ``(offset, text, logprob, top)`` entries; the first has
-    no log probability and no alternatives (nothing comes before it)."""
+    """The echoed prompt's tokens as ``(offset, text, logprob, top)``; the first has no
+    alternatives (nothing comes before it)."""
     entries, offset = [], 0
     for i, token in enumerate(sequence.prompt_tokens or []):
         entries.append((offset, token["text"], token["logprob"], top_of(token) if i else None))
@@ -137,10 +124,8 @@ def prompt_entries(sequence: Completion) -> list[tuple]:
 def completion_choice(sequence: Completion, call: Call, index: int) -> dict:
     text, kept = cut(sequence)
     prefix = sequence.prompt if call.echo else ""
-    logprobs = None
-    if call.logprobs is not None:
-        prompt = prompt_entries(sequence) if call.echo else ()
-        logprobs = completion_logprobs(kept, len(prefix), prompt)
+    logprobs = None if call.logprobs is None else completion_logprobs(
+        kept, len(prefix), prompt_entries(sequence) if call.echo else ())
     return {"index": index, "text": prefix + text, "logprobs": logprobs,
             "finish_reason": finish_reason(sequence)}
 
@@ -152,9 +137,8 @@ async def completions(request: Request):
 
 
 class Held:
-    """One streamed choice's text, held back while its end could still be the start of a stop
-    sequence (OpenAI leaves the stop sequence out, and a chunk once sent cannot be taken
-    back). Tokens are released whole, with their log probabilities."""
+    """One streamed choice's text, held back while its end could still begin a stop sequence
+    (which OpenAI leaves out, and a chunk sent cannot be taken back). Tokens go out whole."""
 
     def __init__(self, stop: list[str]):
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -169,10 +153,8 @@ class Held:
         ready = []
         while self.pending and self.pending[0][0] + len(self.pending[0][1]["text"]) <= safe:
             ready.append(self.pending.pop(0))
-        if not ready:
-            return "", []
-        start, last = ready[-1]
-        return self._release(start + len(last["text"])), ready
+        end = ready[-1][0] + len(ready[-1][1]["text"]) if ready else self.sent
+        return self._release(end), ready
 
     def take(self, token: dict | None) -> None:
         if token is not None and not token["special"]:
@@ -180,9 +162,8 @@ class Held:
             self.text += token["text"]
 
     def finish(self, last: dict | None, final: str) -> tuple[str, list[tuple[int, dict]]]:
-        """Take the last token (never released before: it may hold the whole stop sequence);
-        the rest, now that the final text is known. A token that begins at or after its end
-        holds only the cut stop sequence and is not handed out (as in ``cut``)."""
+        """Take the last token; the rest, now that the final text is known (a token that begins
+        at or after its end holds only the cut stop sequence, as in ``cut``)."""
         self.take(last)
         ready = [(start, t) for start, t in self.pending if start < len(final)]
         self.pending = []
@@ -195,8 +176,8 @@ class Held:
 
 
 async def released(run: Run, call: Call):
-    """``(sequence, event, text, tokens)`` for each event of a streamed run: the text and
-    tokens that can be sent now (``Held``); none for a ``PromptEvent``."""
+    """``(sequence, event, text, tokens)`` for each event of a streamed run: what ``Held``
+    lets go now (nothing for a ``PromptEvent``)."""
     held = {s: Held(call.params.stop) for s in run.completions}
     async for s, event in run.events():
         if isinstance(event, PromptEvent):
@@ -208,31 +189,27 @@ async def released(run: Run, call: Call):
 
 
 async def completion_stream(run: Run, call: Call, meta: dict):
-    """The chunks of a streamed completion (``answer`` adds the end)."""
     def chunk(index, text, tokens, offset=0, reason=None, prompt=()):
         logprobs = None if call.logprobs is None else completion_logprobs(tokens, offset, prompt)
         return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": reason}]})
 
-    prefixes = {}
     for s in run.completions:
-        prefixes[s] = s.prompt if call.echo else ""
         if call.echo and not call.params.prompt_logprobs:
-            yield chunk(s.index * call.n + s.copy, prefixes[s], [])
+            yield chunk(s.index * call.n + s.copy, s.prompt, [])
     async for s, event, text, tokens in released(run, call):
-        index, offset = s.index * call.n + s.copy, len(prefixes[s])
+        index, prefix = s.index * call.n + s.copy, s.prompt if call.echo else ""
         if isinstance(event, PromptEvent):         # the prompt's tokens (echo + logprobs)
-            yield chunk(index, prefixes[s], [], prompt=prompt_entries(s))
+            yield chunk(index, prefix, [], prompt=prompt_entries(s))
         elif event.finish is not None:
-            yield chunk(index, text, tokens, offset, finish_reason(s))
+            yield chunk(index, text, tokens, len(prefix), finish_reason(s))
         elif text or tokens:
-            yield chunk(index, text, tokens, offset)
+            yield chunk(index, text, tokens, len(prefix))
 
 
 # --- chat completions -----------------------------------------------------------------------
 
 def chat_logprobs(tokens: list[tuple[int, dict]]) -> dict:
-    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     def entry(token: dict) -> dict:
         return {"token": token["text"], "logprob": token["logprob"],
                 "bytes": list(token["text"].encode("utf-8"))}
@@ -255,7 +232,6 @@ async def chat_completions(request: Request):
 
 
 async def chat_stream(run: Run, call: Call, meta: dict):
-    """The chunks of a streamed chat completion (``answer`` adds the end)."""
     def chunk(index, delta, tokens=(), reason=None):
         logprobs = chat_logprobs(list(tokens)) if call.logprobs is not None and tokens else None
         return sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -281,7 +257,7 @@ def model_card(name: str) -> dict:
 def models(request: Request):
     engine = request.app.state.engine
     names = [engine.model_id] + engine.adapters_available()
-    return {"object": "list", "data": [model_card(name) for name in names]}
+    return {"object": "list", "data": [model_card(n) for n in names]}
 
 
 @router.get("/v1/models/{name:path}")

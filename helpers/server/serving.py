@@ -1,21 +1,13 @@
-"""What every route shares: the request as a ``Call``, the checks both dialects make, and the
-request path: submit, collect or stream the engine's events, cancel what nobody waits for any
-more. (Lesson 07.)
-
-A route only translates: its protocol's body into a ``Call`` (``routes_lorax.py``,
-``openai_bodies.py``), then the finished ``Completion`` objects (or the events of a stream)
-into its protocol's answer. A parameter this server does not implement is never silently
-ignored: set to anything but its "off" value (null, false, an empty list) it is a 422 naming
-it. The ranges of the engine's parameters are checked once, by ``GenerationParams.check``.
+"""What every route shares (lesson 07): the request as a ``Call``, the checks both dialects
+make, and ``Run``: submit to the engine, collect or stream its events, cancel what nobody waits
+for. A route only translates its protocol's body into a ``Call`` and the ``Completion`` objects
+(or a stream's events) into its answer. A parameter this server does not implement, set to
+anything but its "off" value (null, false, an empty list), is a 422 naming it.
 
     run = await Run.start(request.app.state, call)   # engine.submit, in a worker thread
     completions = await run.collect(request)     # non-streaming: every completion, finished
     async for completion, event in run.events(): # streaming: events as they come
     run.close()                                  # cancels what is unfinished (always called)
-
-Each prompt is generated ``call.best_of`` times (copies, each with a seed of its own);
-``pick`` chooses the best. Events reach the run through its sink, from the engine's thread (or
-the thread reading the engine's process), and are handed to the event loop once per step.
 """
 
 from __future__ import annotations
@@ -42,14 +34,9 @@ MAX_ROWS_PER_REQUEST = 16
 
 @dataclass
 class Call:
-    """One HTTP request in the routes' terms: what to generate and how to answer.
-
-    prompts:   each a string, or a list of token ids (OpenAI's pre-tokenized prompts)
-    best_of:   sequences generated per prompt; ``n`` of them are returned, the best by mean
-               log probability per token (LoRAX returns one, the others in its details)
-    logprobs:  OpenAI: alternatives per token (0: only the chosen token's); None: none
-    messages:  the chat's messages (``/v1/chat/completions``), already checked
-    """
+    """One HTTP request in the routes' terms. ``prompts``: strings or lists of token ids;
+    ``best_of`` sequences are generated per prompt, the ``n`` best returned; ``logprobs``
+    (OpenAI): alternatives per token, 0 only the chosen token's, None none."""
 
     prompts: list
     params: GenerationParams
@@ -64,17 +51,14 @@ class Call:
 
 
 class Strict(BaseModel):
-    # strict: "10" is not an integer and 1 is not a boolean; NaN and Infinity are not numbers
-    # (Python's json module reads them, JSON does not have them); extra keys are looked at
-    # afterwards (an unknown key set to a value is refused, one set to null is ignored).
+    # strict: "10" is not an integer, 1 not a boolean, NaN not a number; extras: reject_extras
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
                               allow_inf_nan=False)
 
 
 class ResponseFormat(Strict):
-    """``{"type": "json_object", "schema": {...}}`` (LoRAX; TGI and huggingface_hub write
-    ``"value"`` for ``"schema"``), OpenAI's ``{"type": "json_schema", "json_schema":
-    {"schema": {...}}}``, or ``{"type": "text"}``."""
+    """LoRAX's ``{"type": "json_object", "schema": {...}}`` (TGI writes ``"value"``), OpenAI's
+    ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, or ``{"type": "text"}``."""
 
     type: Literal["json_object", "json_schema", "text"]
     schema_: Any = Field(default=None, alias="schema")
@@ -84,26 +68,23 @@ class ResponseFormat(Strict):
 
 class Grammar(Strict):
     """TGI's ``grammar``: ``{"type": "json", "value": schema}`` or ``{"type": "regex",
-    "value": pattern}`` (huggingface_hub's ``InferenceClient.text_generation(grammar=...)``)."""
+    "value": pattern}``."""
 
     type: Literal["json", "json_object", "regex"]
     value: Any
 
 
 def validate(model: type[BaseModel], data: Any) -> BaseModel:
+    """``data`` as a ``model``, or a 422 naming each wrong field (``parameters.top_k: ...``)."""
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except PydanticValidationError as err:
-        raise invalid(describe_validation_errors(err.errors())) from None
-
-
-def describe_validation_errors(problems: list[dict]) -> str:
-    """One line per problem, each naming the field: ``parameters.max_new_tokens: ...``."""
+        problems = err.errors()
     lines = []
     for error in problems[:5]:
-        loc = ".".join(str(part) for part in error.get("loc", ()) if part not in ("body",))
+        loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         # Unions repeat the location once per member: keep the first, readable part.
         loc = loc.split(".str")[0].split(".list[")[0].split(".function-")[0]
         message = error.get("msg", "invalid value")
@@ -111,7 +92,7 @@ def describe_validation_errors(problems: list[dict]) -> str:
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(f"`{loc or 'body'}`: {message}{shown}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    return "; ".join(lines) + more
+    raise invalid("; ".join(lines) + more)
 
 
 def reject_extras(model: BaseModel, where: str) -> None:
@@ -166,8 +147,8 @@ def grammar_of(fmt: ResponseFormat | None, grammar: Grammar | None,
 
 
 def checked(params: GenerationParams, prefix: str = "") -> GenerationParams:
-    """``params`` with temperature 0 read as greedy, checked by ``GenerationParams.check`` (the
-    one check of every parameter's range; pydantic checked their types), as an ApiError."""
+    """``params`` (temperature 0 read as greedy) after ``GenerationParams.check``, the one
+    check of every parameter's range."""
     try:
         return params.greedy_if_zero().check(prefix)
     except errors.InvalidRequest as err:
@@ -175,24 +156,24 @@ def checked(params: GenerationParams, prefix: str = "") -> GenerationParams:
 
 
 def check_rows(prompts: int, n: int | None = 1, best_of: int | None = 1) -> None:
-    """One request may start at most ``MAX_ROWS_PER_REQUEST`` rows: prompts x max(n,
-    best_of) (each row is generated in full, whatever is returned)."""
+    """At most ``MAX_ROWS_PER_REQUEST`` rows: prompts x max(n, best_of), each generated in full."""
     copies = max(n or 1, best_of or 1)
     if prompts * copies > MAX_ROWS_PER_REQUEST:
         raise invalid(f"this request would generate {prompts * copies} sequences ({prompts} "
                       f"prompts x {copies}); at most {MAX_ROWS_PER_REQUEST} per request")
 
 
+def check_range(name: str, value: int | None, low: int, high: int) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(f"`{name}` must be between {low} and {high}, got {value}")
+
+
 def check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int:
-    """How many sequences to generate per prompt."""
     if best_of is None:
         return n
-    if best_of < 1:
-        raise invalid(f"`{name}` must be strictly positive, got {best_of}")
+    check_range(name, best_of, 1, MAX_BEST_OF)
     if best_of < n:
         raise invalid(f"`{name}` ({best_of}) must be at least `n` ({n})")
-    if best_of > MAX_BEST_OF:
-        raise invalid(f"`{name}` may be at most {MAX_BEST_OF}, got {best_of}")
     if best_of > 1 and not sampling:
         raise invalid(f"`{name}` > 1 needs sampling (do_sample, or a temperature, top_k or "
                       f"top_p): greedy decoding would give {best_of} identical sequences")
@@ -200,15 +181,12 @@ def check_best_of(best_of: int | None, n: int, sampling: bool, name: str) -> int
 
 
 def sse(data) -> str:
-    """One server-sent event, as LoRAX writes it (``data:`` then compact JSON)."""
     return "data:" + json.dumps(data, separators=(",", ":")) + "\n\n"
 
 
 def event_stream(request, run: "Run", events, error) -> StreamingResponse:
-    """Server-sent ``events`` (strings) of ``run``. If they fail after the stream started (no
-    error handler can answer any more), the last event is ``error(message, error_type)``
-    (``guards.stream_failure``). The run is closed in every case, also when the client hangs
-    up between two events."""
+    """Server-sent ``events`` (strings) of ``run``; a failure once started ends them with
+    ``error(message, error_type)``. The run is closed in every case."""
     async def guarded():
         try:
             async for event in events:
@@ -224,10 +202,9 @@ def event_stream(request, run: "Run", events, error) -> StreamingResponse:
 
 @dataclass(eq=False)
 class Completion:
-    """The engine's events for one sequence of the submission: which ``copy`` (of best_of)
-    of which prompt (``index``), the prompt as the engine read it, its tokens with their log
-    probabilities when asked for, the generated tokens (dicts: id, text, logprob, special[,
-    alternative_tokens]) and the ``contract.Finish`` of the last event (None until then)."""
+    """One sequence of the submission: ``copy`` (of best_of) of prompt ``index``, the prompt's
+    tokens when asked for, the generated tokens (dicts: id, text, logprob, special[,
+    alternative_tokens]) and the last event's ``contract.Finish`` (None until then)."""
 
     index: int
     copy: int
@@ -237,13 +214,11 @@ class Completion:
     finish: object = None
 
     def mean_logprob(self) -> float:
-        """Mean log probability per generated token: how ``best_of`` ranks completions
-        (OpenAI's rule; a sum would favour short answers)."""
+        """How ``best_of`` ranks completions (OpenAI's rule; a sum would favour short ones)."""
         values = [t["logprob"] for t in self.tokens if t.get("logprob") is not None]
         return sum(values) / len(values) if values else 0.0
 
     def add(self, event) -> None:
-        """Take one engine event (a PromptEvent or a TokenEvent)."""
         if isinstance(event, PromptEvent):
             self.prompt_tokens = list(event.tokens)
             return
@@ -267,8 +242,6 @@ class Runs:
         self.stopping = False
 
     def end(self, message: str) -> None:
-        """End every run in flight with a 503 error event: a stream's last event, or the
-        answer of a request that waits for its whole completion."""
         for run in list(self.active):
             run._take([(None, ErrorEvent(message, status=503, error_type="unavailable"))])
 
@@ -276,9 +249,8 @@ class Runs:
 class Run:
     """The engine submission of one HTTP request, and the queue its events come on."""
 
-    def __init__(self, state, call: Call):
+    def __init__(self, state):
         self.engine, self.metrics, self.runs = state.engine, state.metrics, state.runs
-        self.call = call
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completions: list[Completion] = []
         self.handle: Handle | None = None
@@ -288,13 +260,12 @@ class Run:
 
     @classmethod
     async def start(cls, state, call: Call) -> "Run":
-        """Submit the call to ``state.engine`` in a worker thread: admitting it may take a
-        while (tokenizing, loading an adapter, compiling a grammar), and an engine in another
-        process answers over a pipe. If the client goes away meanwhile, the submission is
-        cancelled once it is accepted. ``errors.Unavailable`` (503) once the server stops."""
+        """Submit the call in a worker thread (admission may tokenize, load an adapter, compile
+        a grammar, or ask another process); if the client goes meanwhile, the submission is
+        cancelled once accepted. ``errors.Unavailable`` (503) once the server stops."""
         if state.runs.stopping:
             raise errors.Unavailable("the server is shutting down")
-        run = cls(state, call)
+        run = cls(state)
         submission = Submission(call.params, call.prompts, call.messages, call.best_of)
         work = asyncio.ensure_future(run_in_threadpool(run.engine.submit, submission, run.sink))
         run.runs.active.add(run)
@@ -310,16 +281,14 @@ class Run:
         return run
 
     def sink(self, events: list) -> None:
-        """Called from the engine's thread (or the thread reading the engine's process) with
-        one step's events of this run."""
+        """Called from the engine's (or its pipe reader's) thread with one step's events."""
         try:
             self.loop.call_soon_threadsafe(self._take, events)
         except RuntimeError:          # the event loop is closed: nobody is listening
             pass
 
     def _take(self, events: list) -> None:
-        """In the event loop: count each token for /metrics (what the client saw), and queue
-        the events."""
+        """In the event loop: time each token for /metrics, and queue the events."""
         now = self.loop.time()
         for sequence, event in events:
             if isinstance(event, TokenEvent) and event.token is not None:
@@ -332,47 +301,36 @@ class Run:
             self.queue.put_nowait((sequence, event))
 
     def _cancel_after(self, work) -> None:
-        """``work`` (the submitting thread's future) is done, and nobody waits for it:
-        cancel what it submitted (and read its error, so that asyncio does not report it)."""
-        if work.cancelled() or work.exception() is not None:
-            return
-        self.engine.cancel(work.result())
+        """Cancel what ``work`` submitted, nobody waiting for it (reading its error keeps
+        asyncio from reporting it)."""
+        if not work.cancelled() and work.exception() is None:
+            self.engine.cancel(work.result())
 
     def close(self) -> None:
-        """Cancel the submission if it has not finished (the client went away, or an error
-        ended the run). Safe to call twice."""
+        """Cancel the submission if it has not finished. Safe to call twice."""
         self.runs.active.discard(self)
         if self.handle is not None and not self.handle.finished:
             self.engine.cancel(self.handle)
 
     async def next(self) -> tuple[Completion, object]:
-        """The next ``(completion, event)``; the event is already added to its completion. An
-        ErrorEvent raises ApiError (with the engine's status and error type)."""
+        """The next ``(completion, event)``, the event added to it; an ErrorEvent raises."""
         sequence, event = await self.queue.get()
         if isinstance(event, ErrorEvent):
             raise ApiError(event.status, event.message, event.error_type)
-        completion = self.completions[sequence]
-        completion.add(event)
-        return completion, event
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish is not None for c in self.completions)
+        self.completions[sequence].add(event)
+        return self.completions[sequence], event
 
     async def events(self):
-        """Every event of the run, as ``(completion, event)``, until all completions finished.
-        Closes the run at the end, and also when the consumer stops early (a streaming
-        response whose client hung up is cancelled by Starlette)."""
+        """Every ``(completion, event)`` until all finished; closes the run at the end, also
+        when the consumer stops early."""
         try:
-            while not self.finished:
+            while any(c.finish is None for c in self.completions):
                 yield await self.next()
         finally:
             self.close()
 
     async def collect(self, request) -> list[Completion]:
-        """Wait until every completion finished. If the client hangs up first, its requests
-        are cancelled at once (``guards.cancel_on_disconnect``) and ``guards.ClientGone`` is
-        raised."""
+        """Every completion, finished; ``guards.ClientGone`` if the client hangs up first."""
         async def every_event():
             async for _ in self.events():
                 pass
