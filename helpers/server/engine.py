@@ -1,19 +1,12 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-``submit`` admits a submission (``admission.py``: tokens, limits, adapter, grammar, seeds),
-queues its sequences (``sampling.Sequence``) and answers once with a ``Handle``; ``cancel``
-drops them when the client goes away. The scheduler thread repeats ``Engine.step``, the same
-turn whatever the KV layout and however the model runs: drop the cancelled, admit (the
-policy in ``admission.py``, the room in ``kv.py``), run the layout's passes (lesson 03's
-padded batch or lesson 08's paged cache, eager, compiled or CUDA graphs), choose each row's
-token by its own rules (``sampling.py``) and hand the events out, one ``deliver`` a pass.
-
-Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
-(with an adapter, what generating that row alone with it gives): batching changes when
-answers come, not what they are. A row whose token cannot be chosen (NaN logits from extreme
-settings, a failing grammar) fails alone. The server runs the engine in a process of its own
-by default (``engine_process.py``); the engine is the same either way.
+``submit`` admits and queues a submission (``admission.py``); the scheduler thread repeats
+``Engine.step``, the same turn for every KV layout (``kv.py``), choosing each row's token by
+its own rules (``sampling.py``). Greedy answers are exactly ``helpers.generate_sequential``'s:
+batching changes when answers come, not what they are. A row whose token cannot be chosen
+fails alone. By default the server runs the engine in a process of its own
+(``engine_process.py``).
 """
 
 from __future__ import annotations
@@ -43,18 +36,10 @@ log = logging.getLogger("helpers.server")
 class Engine:
     """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
 
-    model, tokenizer:  from ``helpers.load_model`` (any causal LM; the tokenizer pads with EOS)
-    adapters_dir:      folder of local adapters, one sub-folder each (default: the course's)
-    max_batch_size ... kv_cache: the server's options of those names (``options.OPTIONS``),
-                       judged by ``options.check``; ``compile``, ``cuda_graphs`` and
-                       ``graph_sizes`` (``--cuda-graph-sizes``) too, for the paged layout
-    layout:            the paged layout's other options (``kv.make_kv``): block_size,
-                       prefix_caching, max_prefill_tokens, num_blocks, capture.
-                       Compiling and capturing happen here, before the engine answers
-                       anything, and never after.
-
-    ``start()`` starts the scheduler thread, ``stop()`` ends it (waiting and running requests
-    get an error event). ``submit`` and ``cancel`` are the HTTP side's (``contract.EngineClient``).
+    The keywords are the server's options of those names (``options.OPTIONS``, judged by
+    ``options.check``; ``graph_sizes``: ``--cuda-graph-sizes``); ``layout``: the paged layout's
+    others (``kv.make_kv``). Compiling and capturing happen here, never after. ``stop()`` gives
+    the waiting and running requests an error event.
     """
 
     restarts = 0              # never: a scheduler thread is not restarted (EngineProcess is)
@@ -109,16 +94,14 @@ class Engine:
                                    vocab_size=self.vocab_size)
         self.max_prompt_chars = self.admission.max_prompt_chars
         self.stats = defaultdict(float)
-        #: Where the running rows' keys and values live, the passes of a turn and how they
-        #: run (``kv.py``).
         if kv_cache == "paged":
             layout.update(compile=judged["compile"], cuda_graphs=judged["cuda_graphs"],
                           graph_sizes=judged["cuda_graph_sizes"])
         self.kv = make_kv(kv_cache, model, tokenizer, self.pad_id,
                           max_batch_size=max_batch_size, max_total_tokens=self.max_total_tokens,
                           lora=self.adapters.lora, **layout)
-        #: Where every step's events go: ``deliver([(sequence, event), ...])``. Here, to each
-        #: submission's sink; the engine's process sends them to the HTTP process instead.
+        #: Where every step's events go: ``deliver([(sequence, event), ...])`` (the engine's
+        #: process replaces it).
         self.deliver = deliver_to_sinks
 
     def start(self) -> "Engine":
@@ -139,7 +122,6 @@ class Engine:
 
     @property
     def kv_cache(self) -> str:
-        """The KV layout's name: "paged" or "contiguous"."""
         return self.kv.name
 
     @property
@@ -149,14 +131,11 @@ class Engine:
 
     def submit(self, submission: Submission, sink: Sink | None = None,
                tag: object = None) -> Handle:
-        """Admit every prompt of ``submission`` (may block, loading an adapter or compiling
-        a grammar: call it from a worker thread) and queue ``submission.copies`` sequences of
-        each; their events go to ``sink`` (``tag``: the caller's name for the submission).
-        Raises ``errors.EngineError`` (``Overloaded``: the queue is full), and then nothing
-        was queued."""
+        """Admit every prompt of ``submission`` (may block: call it from a worker thread) and
+        queue ``submission.copies`` sequences of each, their events for ``sink``. Raises
+        ``errors.EngineError``, and then nothing was queued."""
         admitted = self.admission.admit(submission)
         params, copies = submission.params, submission.copies
-        # Each prompt its own seeds (the request's seed, if it gave one, for each prompt).
         seeds = [seed for _ in admitted for seed in self.admission.seeds(params, copies)]
         with self._cond:
             if not self.healthy:
@@ -194,10 +173,9 @@ class Engine:
         return {**state, **self.stats, **self.kv.snapshot()}
 
     def info(self) -> dict:
-        model = self.model
         return {
             "model_id": self.model_id,
-            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "model_dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "model_device_type": self.device.type,
             "model_pipeline_tag": "text-generation",
             "max_batch_size": self.max_batch_size,
@@ -290,7 +268,7 @@ class Engine:
         for row in new:
             if row.params.prompt_logprobs:
                 guarded(row, self._score_alone, row, outgoing)
-        if outgoing:             # (in its own process, every delivery is a message)
+        if outgoing:
             self.deliver(outgoing)
 
     def _score_alone(self, row: Sequence, outgoing: list) -> None:
@@ -306,7 +284,7 @@ class Engine:
         start = time.perf_counter()
         kind = "decode" if batch.prefilled else "prefill"
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
-        outgoing, chosen = [], []
+        chosen = []
 
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
@@ -318,16 +296,15 @@ class Engine:
         if lora.names:
             adapters = (lora, [self._rows[rid].adapter for rid in batch.request_ids])
         self.kv.forward(batch, adapters, choose)
-        self._hand_out(batch, chosen, outgoing)
+        self._hand_out(batch, chosen)
         self.stats[f"steps_{kind}"] += 1
         self.stats["tokens"] += len(chosen)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
-    # --- handing out tokens ------------------------------------------------------------------
-
-    def _hand_out(self, batch, rows: list[tuple[int, Sequence]], outgoing: list) -> None:
+    def _hand_out(self, batch, rows: list[tuple[int, Sequence]]) -> None:
         """Each row's event (its token, or its failure) goes out; the finished ones leave
         ``_rows`` and are marked done in ``batch``."""
+        outgoing = []
         try:
             for i, row in rows:
                 if row.error is None:
@@ -363,5 +340,4 @@ class Engine:
 
 
 def deliver_to_sinks(outgoing: list[tuple[Sequence, object]]) -> None:
-    """A step's events to their submissions' sinks (``contract.deliver``)."""
     deliver([(sequence.handle, sequence.sequence, event) for sequence, event in outgoing])

@@ -1,22 +1,12 @@
 """Each row's next token by the rules its request sets, and the sequence that keeps them.
 (Lesson 07.)
 
-The engine runs lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``) with
-``TokenChooser`` instead of the greedy ``argmax``. For every row it starts from the model's
-logits and
-
-1. adjusts them: the penalties for repeating, the request's ``logit_bias``, its grammar's mask
-   (forbidden tokens get -inf, ``grammar.py``);
-2. picks a token: the likeliest (``greedy``), or a draw (``sample``) reshaped by temperature,
-   top-k, top-p, typical-p and min-p, with the request's own seeded ``torch.Generator`` (the
-   same seed gives the same answer, whatever else runs beside it);
-3. reports its log probability and, if asked, the likeliest alternatives.
-
-A row whose choice fails (NaN logits from extreme settings, a failing grammar) gets its
-``error`` set and the padding token: it fails alone, the other rows carry on. ``Sequence``
-(part 5) holds one sequence's rules and state; its ``accept`` turns the choice into the
-token's event, with its text and whether it finished. A new sampling rule is a field of
-``GenerationParams`` (``contract.py``) and a filter here, called from ``sample``.
+``TokenChooser`` is the ``choose`` of lessons 03 and 08 that the engine passes: for every row
+it 1. adjusts the logits (penalties, ``logit_bias``, the grammar's mask), 2. picks the
+likeliest token or draws one with the request's own seeded generator (the same seed, the same
+answer, whatever runs beside it), 3. reports log probabilities. A row whose choice fails gets
+its ``error`` set and fails alone. ``Sequence`` turns each choice into the token's event. A new
+sampling rule is a field of ``GenerationParams`` and a filter here, called from ``sample``.
 """
 
 from __future__ import annotations
@@ -39,12 +29,9 @@ log = logging.getLogger("helpers.server")
 # --- 1. adjusting the logits -----------------------------------------------------------------
 
 def repetition_penalty(logits: torch.Tensor, seen_ids, penalty: float) -> None:
-    """Make every token already seen (prompt and answer) less likely, in place. transformers'
-    and TGI's rule: a positive logit is divided by ``penalty``, a negative one multiplied, so
-    that a penalty > 1 always lowers the token's probability."""
+    """Make every token already seen less likely, in place, by transformers' and TGI's rule: a
+    positive logit divided by ``penalty``, a negative one multiplied."""
     seen = torch.tensor(sorted(set(seen_ids)), dtype=torch.long, device=logits.device)
-    if len(seen) == 0:
-        return
     values = logits[seen]
     logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
@@ -53,8 +40,6 @@ def frequency_presence_penalty(logits: torch.Tensor, counts: Counter, frequency:
                                presence: float) -> None:
     """OpenAI's penalties over the tokens generated so far, in place: a token's logit loses
     ``frequency`` for each time it was generated, and ``presence`` once if it was at all."""
-    if not counts:
-        return
     ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
     times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
     logits[ids] -= frequency * times + presence
@@ -76,11 +61,6 @@ def check_finite(logits: torch.Tensor) -> None:
 
 # --- 2. picking a token --------------------------------------------------------------------
 
-def greedy(logits: torch.Tensor) -> list[int]:
-    """The likeliest next token of every row of (rows, vocab) logits (lesson 03's choice)."""
-    return logits.argmax(dim=-1).tolist()
-
-
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Only the ``k`` likeliest tokens stay (ties with the k-th stay too)."""
     if k >= logits.numel():
@@ -95,9 +75,13 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs          # the mass of the tokens ranked above
-    drop = before >= p
+    return _keep_mass(logits, order, torch.softmax(sorted_logits, dim=-1), p)
+
+
+def _keep_mass(logits: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, p: float):
+    """``logits`` with the tokens in ``order`` (``probs``: theirs) kept until their mass
+    reaches ``p``, the one that crosses it and the first one included."""
+    drop = probs.cumsum(dim=-1) - probs >= p        # the mass of the tokens ranked above
     drop[0] = False
     return logits.index_fill(0, order[drop], float("-inf"))
 
@@ -120,10 +104,7 @@ def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum()
     distance = (-logprobs - entropy).abs()
     order = torch.argsort(distance)                # most typical first
-    before = probs[order].cumsum(dim=-1) - probs[order]
-    drop = before >= p
-    drop[0] = False
-    return logits.index_fill(0, order[drop], float("-inf"))
+    return _keep_mass(logits, order, probs[order], p)
 
 
 def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
@@ -133,14 +114,10 @@ def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[in
     x = logits.detach().to("cpu", torch.float32)
     if params.temperature is not None:
         x = x / params.temperature
-    if params.top_k is not None:
-        x = top_k_filter(x, params.top_k)
-    if params.top_p is not None:
-        x = top_p_filter(x, params.top_p)
-    if params.typical_p is not None:
-        x = typical_filter(x, params.typical_p)
-    if params.min_p is not None:
-        x = min_p_filter(x, params.min_p)
+    for keep, value in ((top_k_filter, params.top_k), (top_p_filter, params.top_p),
+                        (typical_filter, params.typical_p), (min_p_filter, params.min_p)):
+        if value is not None:
+            x = keep(x, value)
     check_finite(x)
     logprobs = torch.log_softmax(x, dim=-1)
     token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
@@ -163,11 +140,9 @@ def top_alternatives(logprobs: torch.Tensor, n: int, tokenizer) -> list[dict]:
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], tokenizer,
                     alternatives: int | None = None) -> list[dict]:
-    """Every prompt token with its log probability given the tokens before it, from the
-    prefill's logits at the prompt's positions (prompt length, vocab). The first token has no
-    context, so its logprob is None (as in TGI and OpenAI's ``echo``). With ``alternatives``
-    the others also get their top alternatives (OpenAI's ``top_logprobs`` of an echoed
-    prompt, which evaluation harnesses read to tell whether a continuation is greedy)."""
+    """Every prompt token with its log probability given the tokens before it (None for the
+    first, as in TGI and OpenAI's ``echo``), from the logits at the prompt's positions; with
+    ``alternatives``, the top alternatives too (evaluation harnesses read them)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logits.device)
     # Position i predicts token i + 1.
@@ -196,9 +171,8 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits)``: each row's next token by its own rules (``rows``: the
-    sequences, one per row of the (rows, positions, vocab) ``logits``, whose last position is
-    the one to choose from), as lesson 03's and lesson 08's ``choose``. (Lesson 07.)"""
+    """``chooser(rows, logits)``: each row's next token by its own rules, from the last position
+    of its row of the (rows, positions, vocab) ``logits``. (Lesson 07.)"""
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
         self.tokenizer = tokenizer
@@ -213,9 +187,8 @@ class TokenChooser:
                 if row.adjusts_logits:
                     guarded(row, self._adjust, row, last[i])
         logprobs = torch.log_softmax(last, dim=-1)
-        tokens = greedy(last)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=last.device)[:, None])
-        chosen = chosen.squeeze(1).tolist()
+        tokens = last.argmax(dim=-1).tolist()
+        chosen = logprobs[range(len(rows)), tokens].tolist()
         broken = (torch.isnan(last).any(dim=-1) | torch.isposinf(last).any(dim=-1)).tolist()
         for i, row in enumerate(rows):
             if broken[i]:
@@ -226,19 +199,17 @@ class TokenChooser:
                 else self.pad_id for row in rows]
 
     def score_prompt(self, row, logits: torch.Tensor, outgoing: list) -> None:
-        """The PromptEvent: every prompt token's logprob, from the logits at its positions."""
-        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
-                                          row.params.alternatives)
+        """The PromptEvent, from the logits at the prompt's positions."""
+        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer, row.params.alternatives)
         outgoing.append((row, PromptEvent(tokens)))
 
     def _adjust(self, row, logits: torch.Tensor) -> None:
-        """A row's logits after its penalties, its logit bias and its grammar's mask."""
         params = row.params
         if row.penalty is not None:
             repetition_penalty(logits, row.prompt_ids + row.ids, row.penalty)
         if params.frequency_penalty or params.presence_penalty:
             frequency_presence_penalty(logits, row.counts, params.frequency_penalty,
-                                                params.presence_penalty)
+                                       params.presence_penalty)
         if params.logit_bias:
             add_logit_bias(logits, params.logit_bias)
         if row.matcher is not None:
@@ -247,8 +218,7 @@ class TokenChooser:
 
     def _pick(self, row, token: int, logprob: float, logits: torch.Tensor,
               logprobs: torch.Tensor) -> None:
-        """Set ``row.choice``: the greedy ``token`` unless the row samples, its logprob, and
-        the top alternatives if asked."""
+        """Set ``row.choice``: (token, logprob, alternatives), ``token`` unless the row samples."""
         if row.max_new_tokens == 0:                 # prefill only: nothing is chosen
             row.choice = (None, None, None)
             return
@@ -259,8 +229,7 @@ class TokenChooser:
             token, logprob = sample(logits, row.params, row.generator)
         alternatives = None
         if row.params.alternatives:
-            alternatives = top_alternatives(logprobs, row.params.alternatives,
-                                                     self.tokenizer)
+            alternatives = top_alternatives(logprobs, row.params.alternatives, self.tokenizer)
         row.choice = (token, logprob, alternatives)
 
 
@@ -297,9 +266,8 @@ class Sequence:
                 self.error = err
         self.penalty = (params.repetition_penalty
                         if params.repetition_penalty not in (None, 1.0) else None)
-        # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
-        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not with a grammar, where
-        # EOS is only allowed once the answer is complete.
+        # ignore_eos_token: EOS is an ordinary token (as in TGI and LoRAX); not with a grammar,
+        # which allows EOS only once the answer is complete.
         self.ignore_eos = params.ignore_eos_token and self.matcher is None
         self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
         self.counts: Counter = Counter()   # how often each of them was generated
