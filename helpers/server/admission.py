@@ -101,7 +101,14 @@ class Admission:
             raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "
                            f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
                            f"given: {len(ids)} tokens")
-        max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
+        room = self.max_total_tokens - len(ids)
+        max_new = params.max_new_tokens
+        if max_new is None:
+            max_new = min(self.default_max_new_tokens, room)
+        elif max_new > room:
+            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
+                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
+                                 f"{len(ids)} prompt tokens and {max_new} new tokens")
         adapter = None
         if params.adapter_id not in (None, "", NO_ADAPTER):
             adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
@@ -169,16 +176,6 @@ class Admission:
                                      return_offsets_mapping=True)["offset_mapping"]
         return [{"id": token, "text": text[start:stop], "start": start, "stop": stop}
                 for token, (start, stop) in zip(ids, offsets)]
-
-    def _max_new_tokens(self, n_prompt: int, asked: int | None) -> int:
-        room = self.max_total_tokens - n_prompt
-        if asked is None:
-            return min(self.default_max_new_tokens, room)
-        if asked > room:
-            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
-                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
-                                 f"{n_prompt} prompt tokens and {asked} new tokens")
-        return asked
 
     def _compile_grammar(self, grammar, max_new: int):
         """The compiled grammar (None for free text, or when nothing is generated)."""

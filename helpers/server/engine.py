@@ -23,12 +23,12 @@ from ..compilation import CAPTURE_SIZES
 from ..lora import ADAPTERS_DIR
 from .adapters import AdapterStore
 from .admission import POLICIES, Admission, take_waiting
-from .contract import ErrorEvent, Handle, Sink, Submission, deliver
+from .contract import ErrorEvent, Handle, PromptEvent, Sink, Submission, deliver
 from .errors import Overloaded, Unavailable
 from .grammar import Grammars
 from .kv import make_kv
 from .options import DEFAULTS, check
-from .sampling import Sequence, TokenChooser, guarded
+from .sampling import Sequence, TokenChooser, guarded, prompt_logprobs
 
 log = logging.getLogger("helpers.server")
 
@@ -66,6 +66,7 @@ class Engine:
         self.max_input_tokens = judged["max_input_tokens"]
         self.max_total_tokens = judged["max_total_tokens"]
         self.max_queue = max_queue
+        self.kv_cache = kv_cache                # the KV layout's name: "paged" or "contiguous"
         self.default_max_new_tokens = default_max_new_tokens
         self.policy_name, self.policy = admission, POLICIES[admission]
         self.device = model.device
@@ -119,10 +120,6 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-
-    @property
-    def kv_cache(self) -> str:
-        return self.kv.name
 
     @property
     def healthy(self) -> bool:
@@ -206,29 +203,26 @@ class Engine:
     # --- the scheduler thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)
         try:
-            self._loop()
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._waiting and not self._rows:
+                        self._cond.wait(timeout=1.0)
+                    if self._stopping:
+                        break
+                try:
+                    with self._model_lock, torch.inference_mode():
+                        self.step()
+                except Exception:   # the model failed: fail the rows, keep serving
+                    log.error("generation failed:\n%s", traceback.format_exc())
+                    self._fail_rows("generation failed; the server's log has the details")
         except BaseException as err:     # a bug in the scheduler itself: say so in /health
             self._failure = f"{type(err).__name__}: {err}"
             log.error("the scheduler stopped:\n%s", traceback.format_exc())
             raise
         finally:
             self._shutdown()
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self._cond:
-                while not self._stopping and not self._waiting and not self._rows:
-                    self._cond.wait(timeout=1.0)
-                if self._stopping:
-                    break
-            try:
-                with self._model_lock, torch.inference_mode():
-                    self.step()
-            except Exception:   # the model failed: fail the rows, keep serving
-                log.error("generation failed:\n%s", traceback.format_exc())
-                self._fail_rows("generation failed; the server's log has the details")
 
     def step(self) -> None:
         """One turn of the scheduler, the same for every KV layout and every way of running
@@ -276,7 +270,8 @@ class Engine:
         ids = torch.tensor([row.prompt_ids], device=self.device)
         with lora.rows([row.adapter] if lora.names else None):   # then the rows as they were
             logits = self.model(input_ids=ids, use_cache=False).logits[0]
-        self.choose.score_prompt(row, logits, outgoing)
+        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer, row.params.alternatives)
+        outgoing.append((row, PromptEvent(tokens)))
 
     def _generate(self, batch) -> None:
         """One pass of the layout over ``batch``, each row with its adapter; the rows that read

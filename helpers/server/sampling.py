@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 
 from .admission import Admitted
-from .contract import ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, TokenEvent
+from .contract import ErrorEvent, Finish, GenerationParams, Handle, TokenEvent
 from .errors import EngineError, GenerationFailed
 from .tokens import IncrementalDecoder
 
@@ -144,16 +144,14 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], tokenizer,
     first, as in TGI and OpenAI's ``echo``), from the logits at the prompt's positions; with
     ``alternatives``, the top alternatives too (evaluation harnesses read them)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logits.device)
     # Position i predicts token i + 1.
-    values = logprobs[:-1].gather(1, ids.unsqueeze(1)).squeeze(1).tolist() if len(ids) else []
+    values = logprobs[range(len(prompt_ids) - 1), prompt_ids[1:]].tolist()
     out = [{"id": int(prompt_ids[0]), "text": tokenizer.decode([prompt_ids[0]]), "logprob": None}]
     for i, (token, value) in enumerate(zip(prompt_ids[1:], values)):
         out.append({"id": int(token), "text": tokenizer.decode([token]),
                     "logprob": finite(value)})
         if alternatives:
-            out[-1]["alternative_tokens"] = top_alternatives(logprobs[i], alternatives,
-                                                             tokenizer)
+            out[-1]["alternative_tokens"] = top_alternatives(logprobs[i], alternatives, tokenizer)
     return out
 
 
@@ -193,15 +191,9 @@ class TokenChooser:
         for i, row in enumerate(rows):
             if broken[i]:
                 guarded(row, check_finite, last[i])
-            if row.error is None:
-                guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
+            guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
         return [row.choice[0] if row.error is None and row.choice[0] is not None
                 else self.pad_id for row in rows]
-
-    def score_prompt(self, row, logits: torch.Tensor, outgoing: list) -> None:
-        """The PromptEvent, from the logits at the prompt's positions."""
-        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer, row.params.alternatives)
-        outgoing.append((row, PromptEvent(tokens)))
 
     def _adjust(self, row, logits: torch.Tensor) -> None:
         params = row.params
@@ -253,10 +245,7 @@ class Sequence:
         self.submitted = time.perf_counter()
         self.tokenizer = tokenizer
         self.eos_id = eos_id
-        self.generator = None
-        if params.sampling:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed) if params.sampling else None
         self.error: BaseException | None = None      # set if this row failed (alone)
         self.matcher = None
         if admitted.grammar is not None:
@@ -272,8 +261,7 @@ class Sequence:
         self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
         self.counts: Counter = Counter()   # how often each of them was generated
         self.count = 0                 # generated tokens, EOS included
-        self.text = ""                 # text handed out so far
-        self.decoder = None            # its IncrementalDecoder (tokens.py), from the first token
+        self.decoder = IncrementalDecoder(tokenizer)     # the text handed out so far
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
         self.finished = False
@@ -329,21 +317,14 @@ class Sequence:
 
     def _add_text(self) -> tuple[str, int | None]:
         """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched), decoding only the last few tokens (``tokens.IncrementalDecoder``)."""
-        if self.decoder is None:
-            self.decoder = IncrementalDecoder(self.tokenizer)
+        matched): only a stop that the piece completes can start past ``start``."""
         piece = self.decoder.add(self.ids[-1])
         if self.count >= self.max_new_tokens:
             piece += self.decoder.flush()
-        stop_at = None
-        stops = self.params.stop
-        if stops and piece:
-            start = max(0, len(self.text) - self.longest_stop + 1)
-            text = self.text + piece
-            found = [pos for pos in (text.find(s, start) for s in stops) if pos >= 0]
-            stop_at = min(found) if found else None
-        self.text += piece
-        return piece, stop_at
+        text = self.decoder.text
+        start = max(0, len(text) - len(piece) - self.longest_stop + 1)
+        found = [pos for pos in (text.find(s, start) for s in self.params.stop) if pos >= 0]
+        return piece, min(found, default=None)
 
     def _finish(self, reason: str, stop_at: int | None) -> Finish:
         return Finish(reason, self.tokenizer.decode(self.ids), self.count,
