@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict, deque
+from itertools import count
 
 import torch
 
@@ -82,8 +83,8 @@ class Engine:
         self._cond = threading.Condition()      # guards the waiting queue and the flags
         self._waiting: deque[Sequence] = deque()
         self._rows: dict[int, Sequence] = {}    # the running sequences, by id
-        self._next_id = 0
-        self._next_handle = 0
+        self._sequence_ids = count()            # the engine's number for each sequence
+        self._handle_ids = count()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
@@ -142,15 +143,12 @@ class Engine:
                 self.stats["rejected_overloaded"] += 1
                 raise Overloaded(f"Model is overloaded: {len(self._waiting)} requests are "
                                  f"already waiting (--max-queue {self.max_queue}); retry later")
-            handle = Handle(self._next_handle, [a.text for a in admitted], len(seeds), seeds,
-                            sink, tag)
-            self._next_handle += 1
-            requests = [Sequence(self._next_id + sequence, handle, sequence,
-                                admitted[sequence // copies], params, seed, self.tokenizer,
-                                self.eos_id)
-                        for sequence, seed in enumerate(seeds)]
-            self._next_id += len(requests)
-            self._waiting.extend(requests)
+            handle = Handle(next(self._handle_ids), [a.text for a in admitted], len(seeds),
+                            seeds, sink, tag)
+            self._waiting.extend(Sequence(next(self._sequence_ids), handle, sequence,
+                                          admitted[sequence // copies], params, seed,
+                                          self.tokenizer, self.eos_id)
+                                 for sequence, seed in enumerate(seeds))
             self.stats["requests"] += handle.sequences
             self._cond.notify_all()
         return handle
@@ -277,7 +275,7 @@ class Engine:
         """One pass of the layout over ``batch``, each row with its adapter; the rows that read
         all their tokens get their next one (``TokenChooser``), and their events go out."""
         start = time.perf_counter()
-        kind = "decode" if batch.prefilled else "prefill"
+        kind = "decode" if batch.prefilled else "prefill"      # before the pass changes it
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
         chosen = []
 

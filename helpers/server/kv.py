@@ -95,10 +95,9 @@ def _done(batch, request_ids):
 
 
 class PagedKV:
-    """Lesson 08's KV cache: a pool of blocks, a block table per row (``PagedBatch``), prefix
-    caching and chunked prefill. A request is admitted when the pool can hold its worst case
-    (prompt plus every new token it may get); while the last newcomers are still reading their
-    prompts (in chunks of ``max_prefill_tokens``), no one else joins."""
+    """Lesson 08's KV cache: a pool of blocks, prefix caching and chunked prefill. A request is
+    admitted when the pool can hold its worst case (prompt plus every new token it may get),
+    and not while the last newcomers are still reading their prompts."""
 
     name = "paged"
 
@@ -222,9 +221,8 @@ class PackedStep:
         self.compiled = compile
         self.sealed = False          # after start-up: a step that needs a new graph runs eager
         self.eager_instead = 0       # steps that did (each would have been a compile)
-        self._forward = self._run_model
-        if compile:
-            self._forward = torch.compile(self._run_model, backend=self._counting_backend)
+        self._forward = (torch.compile(self._run_model, backend=self._counting_backend)
+                         if compile else self._run_model)
 
     def _counting_backend(self, graph_module, example_inputs):
         """Inductor, each graph it compiles counted and timed."""
@@ -270,8 +268,7 @@ class PackedStep:
              ids: list[int]) -> torch.Tensor:
         device = self.model.device
         paged = PackedInputs.build(self.pool, self.scratch, tables, starts, counts, device)
-        logits = self._call(torch.tensor([ids], device=device), paged)
-        return logits[0][:, None]
+        return self._call(torch.tensor([ids], device=device), paged)[0][:, None]
 
     def _call(self, ids, paged: PackedInputs):
         """The model on one step's (contiguous) tensors, the sizes that vary (T, R, Q, L) marked
@@ -286,21 +283,19 @@ class PackedStep:
                 torch._dynamo.mark_dynamic(tensor, dim)
         config = self.model.config        # the attention function the model's layers call
         previous, config._attn_implementation = config._attn_implementation, COMPILED_ATTENTION
+        stance = "fail_on_recompile" if self.sealed and self.compiled else "default"
         try:
-            if not (self.sealed and self.compiled):
+            with torch.compiler.set_stance(stance):
                 return self._forward(ids, paged)
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    return self._forward(ids, paged)
-            except RuntimeError as err:
-                if "fail_on_recompile" not in str(err):
-                    raise
-                if not self.eager_instead:
-                    log.warning("a step needed a graph that start-up did not compile; it ran "
-                                "eager instead (so do any such steps from now on): %s",
-                                str(err).splitlines()[0])
-                self.eager_instead += 1
-                return self._run_model(ids, paged)
+        except RuntimeError as err:
+            if "fail_on_recompile" not in str(err):
+                raise
+            if not self.eager_instead:
+                log.warning("a step needed a graph that start-up did not compile; it ran eager "
+                            "instead (so do any such steps from now on): %s",
+                            str(err).splitlines()[0])
+            self.eager_instead += 1
+            return self._run_model(ids, paged)
         finally:
             config._attn_implementation = previous
 

@@ -1,12 +1,11 @@
 """Each row's next token by the rules its request sets, and the sequence that keeps them.
 (Lesson 07.)
 
-``TokenChooser`` is the ``choose`` of lessons 03 and 08 that the engine passes: for every row
-it 1. adjusts the logits (penalties, ``logit_bias``, the grammar's mask), 2. picks the
-likeliest token or draws one with the request's own seeded generator (the same seed, the same
-answer, whatever runs beside it), 3. reports log probabilities. A row whose choice fails gets
-its ``error`` set and fails alone. ``Sequence`` turns each choice into the token's event. A new
-sampling rule is a field of ``GenerationParams`` and a filter here, called from ``sample``.
+``TokenChooser``, the engine's ``choose`` for lessons 03 and 08's steps, adjusts each row's
+logits (penalties, bias, grammar), then takes the likeliest token or draws one with the row's
+own seeded generator (the same seed, the same answer, whatever runs beside it). A row whose
+choice fails fails alone. A new sampling rule is a field of ``GenerationParams`` and a filter
+here, called from ``sample``.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ from .tokens import IncrementalDecoder
 
 log = logging.getLogger("helpers.server")
 
-
-# --- 1. adjusting the logits -----------------------------------------------------------------
 
 def repetition_penalty(logits: torch.Tensor, seen_ids, penalty: float) -> None:
     """Make every token already seen less likely, in place, by transformers' and TGI's rule: a
@@ -59,8 +56,6 @@ def check_finite(logits: torch.Tensor) -> None:
                                "infinity); extreme sampling settings are the usual cause")
 
 
-# --- 2. picking a token --------------------------------------------------------------------
-
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Only the ``k`` likeliest tokens stay (ties with the k-th stay too)."""
     if k >= logits.numel():
@@ -70,8 +65,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus sampling: the likeliest tokens whose probabilities add up to ``p`` stay (the one
-    that crosses ``p`` too); the likeliest token always stays."""
+    """Nucleus sampling: the likeliest tokens stay until their mass reaches ``p``."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
@@ -80,23 +74,22 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def _keep_mass(logits: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, p: float):
     """``logits`` with the tokens in ``order`` (``probs``: theirs) kept until their mass
-    reaches ``p``, the one that crosses it and the first one included."""
+    reaches ``p``: the one that crosses it, and the first, stay."""
     drop = probs.cumsum(dim=-1) - probs >= p        # the mass of the tokens ranked above
     drop[0] = False
     return logits.index_fill(0, order[drop], float("-inf"))
 
 
 def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Min-p sampling (vLLM's and transformers' ``min_p``): the tokens at least ``p`` times as
-    likely as the likeliest stay; the likeliest always stays."""
+    """Min-p (vLLM's and transformers'): the tokens at least ``p`` times as likely as the
+    likeliest stay."""
     probs = torch.softmax(logits, dim=-1)
     return logits.masked_fill(probs < p * probs.max(), float("-inf"))
 
 
 def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Typical sampling (Meister et al., 2022; transformers' ``typical_p``): rank tokens by how
-    far their surprise (-log prob) is from the distribution's entropy, closest first, and keep
-    them until their probabilities add up to ``p`` (the one that crosses ``p`` too)."""
+    """Typical sampling (Meister et al., 2022): the tokens whose surprise (-log prob) is
+    nearest the entropy stay, until their mass reaches ``p``."""
     if p >= 1.0:
         return logits
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -108,9 +101,8 @@ def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from a row's logits: temperature, then top-k, top-p, typical-p and
-    min-p, with the request's ``generator``. Returns the token and its log probability under
-    the distribution it was drawn from."""
+    """Draw one token from a row's logits reshaped by the request's rules: the token and its
+    log probability under the distribution it was drawn from."""
     x = logits.detach().to("cpu", torch.float32)
     if params.temperature is not None:
         x = x / params.temperature
@@ -123,8 +115,6 @@ def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[in
     token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
     return token, float(logprobs[token])
 
-
-# --- 3. reporting ---------------------------------------------------------------------------
 
 def finite(value: float) -> float:
     """JSON has no -inf: a log probability of an impossible token is reported as -1e9."""
@@ -155,11 +145,9 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], tokenizer,
     return out
 
 
-# --- 4. every row by its own rules -------------------------------------------------------------
-
 def guarded(row, function, *args) -> None:
-    """Run one row's part of the choice; an exception fails that row (``row.error``), not the
-    batch. Nothing runs for a row that has failed already."""
+    """Run one row's part of the choice unless it failed already; an exception fails that row
+    (``row.error``), not the batch."""
     if row.error is not None:
         return
     try:
@@ -225,12 +213,9 @@ class TokenChooser:
         row.choice = (token, logprob, alternatives)
 
 
-# --- 5. one sequence ----------------------------------------------------------------------
-
 class Sequence:
-    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``), from
-    the queue to its last token: its rules, its tokens, its text; ``accept`` alone decides
-    when it is finished."""
+    """One sequence of a submission (a prompt, or a copy of it for ``best_of``/``n``), from the
+    queue to its last token; ``accept`` alone decides when it is finished."""
 
     def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
                  params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
@@ -316,8 +301,7 @@ class Sequence:
                           "has the details")
 
     def _add_text(self) -> tuple[str, int | None]:
-        """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched): only a stop that the piece completes can start past ``start``."""
+        """The new piece of text, and where a stop sequence it completes starts (or None)."""
         piece = self.decoder.add(self.ids[-1])
         if self.count >= self.max_new_tokens:
             piece += self.decoder.flush()
