@@ -66,8 +66,14 @@ class Admission:
         submission before anything runs). Raises ``errors.EngineError``."""
         params = submission.params       # checked at the door (GenerationParams.check)
         prompts = submission.prompts
-        if submission.messages is not None:
-            prompts = [self._chat_prompt(submission.messages)]
+        if submission.messages is not None:       # refused by its size before the template
+            size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in submission.messages)
+            if size > self.max_prompt_chars:
+                raise TooLarge(f"the {len(submission.messages)} messages count as {size} "
+                               f"characters ({CHARS_PER_MESSAGE} per message for its role and "
+                               f"separators); this server reads prompts of at most "
+                               f"{self.max_input_tokens} tokens")
+            prompts = [encode_chat(self.tokenizer, submission.messages)]
         if not prompts:
             raise InvalidRequest("the request holds no prompt")
         outside = [t for t in params.logit_bias if t >= self.vocab_size]
@@ -86,8 +92,6 @@ class Admission:
         return [first] + [int.from_bytes(hashlib.blake2b(f"{first}/{number}".encode(),
                                                          digest_size=8).digest(), "big")
                           for number in range(1, copies)]
-
-    # --- one prompt ----------------------------------------------------------------------------
 
     def _admit_one(self, prompt, params: GenerationParams) -> Admitted:
         ids = self._prompt_ids(prompt, params.truncate)
@@ -117,17 +121,6 @@ class Admission:
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return Admitted(text, ids, max_new, adapter, grammar)
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The chat's token ids (``tokens.encode_chat``), refused by its size before the
-        template runs if it cannot fit."""
-        size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in messages)
-        if size > self.max_prompt_chars:
-            raise TooLarge(f"the {len(messages)} messages count as {size} characters "
-                           f"({CHARS_PER_MESSAGE} per message for its role and "
-                           f"separators); this server reads prompts of at most "
-                           f"{self.max_input_tokens} tokens")
-        return encode_chat(self.tokenizer, messages)
-
     def _prompt_ids(self, prompt, truncate: int | None) -> list[int]:
         """The prompt's token ids (the last ``truncate`` of them, if given). A text prompt too
         long to fit is refused by its length in characters, before any tokenizing."""
@@ -151,18 +144,16 @@ class Admission:
         return list(ids)
 
     def _tokenize(self, text: str, truncate: int | None) -> list[int]:
-        """Tokenize a prompt, bounding the work by its length first: without a ``truncate``
-        (within --max-input-tokens) one longer than ``max_prompt_chars`` is refused; with one,
-        only as many of its last characters as ``truncate + 1`` tokens can stand for are read
-        (the same tokens are kept, unless the cut falls inside one very long word)."""
-        keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
-        if keep is None and len(text) > self.max_prompt_chars:
+        """Tokenize a prompt, bounding the work by its length first: with a ``truncate`` (within
+        --max-input-tokens), only as many of its last characters as ``truncate + 1`` tokens can
+        stand for are read; without, one longer than ``max_prompt_chars`` is refused."""
+        if truncate is not None and truncate <= self.max_input_tokens:
+            chars_per_token = self.max_prompt_chars // self.max_input_tokens
+            text = text[-(truncate + 1) * chars_per_token:]
+        elif len(text) > self.max_prompt_chars:
             raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(text)} characters, more "
                                  f"than that many tokens can hold")
-        if keep is not None:
-            chars_per_token = self.max_prompt_chars // self.max_input_tokens
-            text = text[-(keep + 1) * chars_per_token:]
         return encode_text(self._encoder or self.tokenizer, text)
 
     def tokenize(self, text: str) -> list[dict]:

@@ -62,7 +62,6 @@ class GraphedDecode:
         self.capture = capture          # None: lesson 10's ``record`` (the tests: a stand-in)
         self.pool = None                # the graphs' shared memory pool
         self.graphs: dict[int, tuple] = {}         # size -> (replay, output)
-        self.captures = 0
         self.replays = 0
         self.padded_rows = 0                       # rows replayed for nothing
         self.fallbacks: Counter = Counter()        # decode-or-not steps that did not replay
@@ -86,13 +85,12 @@ class GraphedDecode:
                     self.graphs[size] = (replay, output)
                 else:
                     self.graphs[size] = self.capture(body)
-            self.captures += 1
         if on_gpu:
             torch.cuda.synchronize(self.inputs.device)
             self.memory_bytes = torch.cuda.memory_reserved(self.inputs.device) - before
         self.capture_seconds = time.perf_counter() - start
         startup.report("captured %d CUDA graphs (sizes %s) in %.1f s, %.1f MiB",
-                       self.captures, ",".join(map(str, self.sizes)), self.capture_seconds,
+                       len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds,
                        self.memory_bytes / 2**20)
 
     def _body(self, size: int) -> torch.Tensor:
@@ -147,7 +145,7 @@ class GraphedDecode:
         self.inputs[:size].copy_(staging[:size], non_blocking=True)
 
     def snapshot(self) -> dict:
-        return {"cuda_graph_captures": self.captures, "cuda_graph_replays": self.replays,
+        return {"cuda_graph_captures": len(self.graphs), "cuda_graph_replays": self.replays,
                 "cuda_graph_padded_rows": self.padded_rows,
                 "cuda_graph_fallbacks": dict(self.fallbacks),
                 "cuda_graph_memory_bytes": self.memory_bytes,
