@@ -1,12 +1,9 @@
 """Admission: a submission checked against the server's limits and made ready for the
 scheduler, and the order in which the waiting ones join the batch. (Lesson 07.)
 
-All that a request costs before the model (chat template, tokenizing, limits, adapter,
-grammar, seeds) happens in ``Admission.admit``, in the submitting thread, never in the
-scheduler. Who joins first is a policy (``POLICIES``, ``--admission``): ``fcfs`` (the default,
-as in vLLM and TGI) or ``shortest`` prompt first (a long one may then wait while short ones
-keep coming). A request the KV layout cannot hold yet ends the turn's admission: with
-``fcfs`` a large request is never starved by small ones.
+All that a request costs before the model happens in ``Admission.admit``, in the submitting
+thread, never in the scheduler. Who joins first is a policy (``--admission``): ``fcfs`` (as in
+vLLM and TGI; a large request is never starved) or ``shortest`` prompt first.
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ class Admission:
         self.max_prompt_chars = max_input_tokens * longest * CHARS_PER_TOKEN_MARGIN
 
     def admit(self, submission: Submission) -> list[Admitted]:
-        """Every prompt of ``submission``, checked and prepared (a bad one refuses the whole
-        submission before anything runs). Raises ``errors.EngineError``."""
+        """Every prompt of ``submission``, checked and prepared; one bad prompt refuses all."""
         params = submission.params       # checked at the door (GenerationParams.check)
         prompts = submission.prompts
         if submission.messages is not None:       # refused by its size before the template
@@ -98,8 +94,7 @@ class Admission:
         if len(ids) > self.max_input_tokens:
             raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(ids)} tokens")
-        # Scoring keeps a row of logits per prompt token: bounded, so that a short request to
-        # a model with a large vocabulary cannot take gigabytes.
+        # Bounded: a short request to a model with a large vocabulary could take gigabytes.
         most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
         if params.prompt_logprobs and len(ids) > most:
             raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "

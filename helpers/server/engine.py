@@ -2,11 +2,8 @@
 different adapter on every row. (Lesson 07.)
 
 ``submit`` admits and queues a submission (``admission.py``); the scheduler thread repeats
-``Engine.step``, the same turn for every KV layout (``kv.py``), choosing each row's token by
-its own rules (``sampling.py``). Greedy answers are exactly ``helpers.generate_sequential``'s:
-batching changes when answers come, not what they are. A row whose token cannot be chosen
-fails alone. By default the server runs the engine in a process of its own
-(``engine_process.py``).
+``Engine.step`` (``kv.py``'s passes, ``sampling.py``'s choices). Greedy answers are exactly
+``helpers.generate_sequential``'s: batching changes when answers come, not what they are.
 """
 
 from __future__ import annotations
@@ -36,12 +33,8 @@ log = logging.getLogger("helpers.server")
 
 class Engine:
     """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
-
-    The keywords are the server's options of those names (``options.OPTIONS``, judged by
-    ``options.check``; ``graph_sizes``: ``--cuda-graph-sizes``); ``layout``: the paged layout's
-    others (``kv.make_kv``). Compiling and capturing happen here, never after. ``stop()`` gives
-    the waiting and running requests an error event.
-    """
+    The keywords are the server's options (``options.check`` judges them; ``graph_sizes``:
+    ``--cuda-graph-sizes``); ``layout``: the paged layout's others (``kv.make_kv``)."""
 
     restarts = 0              # never: a scheduler thread is not restarted (EngineProcess is)
 
@@ -102,9 +95,7 @@ class Engine:
         self.kv = make_kv(kv_cache, model, tokenizer, self.pad_id,
                           max_batch_size=max_batch_size, max_total_tokens=self.max_total_tokens,
                           lora=self.adapters.lora, **layout)
-        #: Where every step's events go: ``deliver([(sequence, event), ...])`` (the engine's
-        #: process replaces it).
-        self.deliver = deliver_to_sinks
+        self.deliver = deliver_to_sinks     # where events go (the engine's process sets its own)
 
     def start(self) -> "Engine":
         if self._thread is not None and self._thread.is_alive():
@@ -254,8 +245,8 @@ class Engine:
             self.stats["cancelled"] += len(gone)
 
     def _score_prompts(self, new: list[Sequence]) -> None:
-        """The PromptEvent of every new sequence that asked for it (``prompt_logprobs``),
-        from a pass of its prompt alone: its prefill may be chunked or cached."""
+        """Each new ``prompt_logprobs`` sequence's PromptEvent, from a pass of its prompt alone
+        (its prefill may be chunked or cached)."""
         outgoing = []
         for row in new:
             if row.params.prompt_logprobs:
@@ -272,8 +263,7 @@ class Engine:
         outgoing.append((row, PromptEvent(tokens)))
 
     def _generate(self, batch) -> None:
-        """One pass of the layout over ``batch``, each row with its adapter; the rows that read
-        all their tokens get their next one (``TokenChooser``), and their events go out."""
+        """One pass of the layout over ``batch``, each row with its adapter and its choice."""
         start = time.perf_counter()
         kind = "decode" if batch.prefilled else "prefill"      # before the pass changes it
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))

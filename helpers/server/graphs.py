@@ -1,13 +1,10 @@
 """CUDA graphs for the paged layout's decode passes, each replayed with a launch or two
 (a small model's decode step is bound by kernel launches). (Lessons 08 and 10.)
 
-A graph's shapes and addresses are fixed: one graph per capture size, a batch of n rows
-replaying the smallest that holds it (the rows past n are padding, on the scratch block);
-every row reads L = ``max_total_tokens`` pool entries, those past its end masked; every graph
-reads one GPU buffer (``inputs``), filled each step by one copy from a pinned twin. Steps that
-read prompts, rows with an adapter and batches above the largest size run the packed step
-instead (``fallbacks``). Every graph is captured at start-up, in one memory pool; on a CPU the
-tests' stand-in for lesson 10's ``record`` runs the step again at each "replay".
+A graph's shapes and addresses are fixed: a batch of n rows replays the graph of the smallest
+capture size that holds it (the rest padding, on the scratch block), every row reading
+L = ``max_total_tokens`` pool entries, from one GPU buffer filled by one copy a step. Steps that
+read prompts or use adapters, and larger batches, run the packed step instead (``fallbacks``).
 """
 
 from __future__ import annotations
@@ -133,9 +130,8 @@ class GraphedDecode:
         rows = len(ids)
         staging = self.staging
         if rows:
-            packed = self.packed
-            built = PackedInputs.build(packed.pool, packed.scratch, tables, starts, [1] * rows,
-                                       "cpu", length=self.length)
+            built = PackedInputs.build(self.packed.pool, self.packed.scratch, tables, starts,
+                                       [1] * rows, "cpu", length=self.length)
             staging[:rows, ID] = torch.tensor(ids)
             staging[:rows, POSITION] = built.positions[0]
             staging[:rows, WRITE] = built.write_indices

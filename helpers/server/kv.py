@@ -1,12 +1,10 @@
 """The KV layouts the engine is given, and how the paged one runs its passes. (Lessons 03,
 07, 08 and 10.)
 
-A layout answers ``Engine.step``'s questions: ``admits()`` (may requests join this turn?),
-``admit(sequence)`` (room for this one? it is then reserved), ``passes()`` (this turn's
-batches; after each, the finished rows' room goes back) and ``forward(batch, adapters,
-choose)`` (one pass, then ``choose(logits, rows)``). ``ContiguousKV`` is lesson 03's padded
-batch; ``PagedKV`` lesson 08's pool of blocks, whose pass the ``Runner`` runs packed as vLLM
-does (``PackedStep``), eager or compiled, or replays as a CUDA graph (``graphs.py``).
+A layout answers ``Engine.step``'s questions: ``admits()`` (may requests join now?),
+``admit(sequence)`` (room for it? then reserved), ``passes()`` (this turn's batches) and
+``forward(batch, adapters, choose)``. ``PagedKV``'s ``Runner`` runs a pass packed as vLLM does
+(``PackedStep``), eager or compiled, or replays it as a CUDA graph (``graphs.py``).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ class ContiguousKV:
             self.batch = filter_batch(self.batch)
 
     def forward(self, batch: Batch, adapters, choose) -> None:
-        """Lesson 03's ``generate_next_token``, each row with its adapter (``adapters``: a
-        ``MultiLora`` and each row's name, or None)."""
+        """Lesson 03's ``generate_next_token``; ``adapters``: a ``MultiLora`` and each row's."""
         if adapters is not None:
             lora, names = adapters
             lora.set_rows(names)
@@ -305,9 +302,8 @@ class PackedStep:
 
 
 class Runner:
-    """The model pass of the paged step, eager, compiled or replayed. (Lessons 08 and 10.)
-    ``compile``, ``cuda_graphs``: the server's options; ``capture``: how a step is recorded
-    (default: lesson 10's ``record``; the tests run the graphs on a CPU with another)."""
+    """The paged step's model pass, eager, compiled or replayed. (Lessons 08 and 10.)
+    ``capture``: how a step is recorded (default: lesson 10's ``record``)."""
 
     def __init__(self, model, cache, scratch_block: int, pad_id: int, lora=None, *,
                  graph_sizes, compile="off", cuda_graphs="off", capture=None,
@@ -360,10 +356,9 @@ class Runner:
         return self.packed
 
     def snapshot(self) -> dict:
-        packed = self.packed
         graphs = self.graphs.snapshot() if self.graphs is not None else {}
-        return {"compiles": packed.compiles, "compile_seconds": packed.compile_seconds,
-                "steps_eager_instead": packed.eager_instead,
+        return {"compiles": self.packed.compiles, "compile_seconds": self.packed.compile_seconds,
+                "steps_eager_instead": self.packed.eager_instead,
                 "steps_compiled": self.steps_compiled, **graphs}
 
     def info(self) -> dict:

@@ -1,10 +1,9 @@
 """Each row's next token by the rules its request sets, and the sequence that keeps them.
 (Lesson 07.)
 
-``TokenChooser``, the engine's ``choose`` for lessons 03 and 08's steps, adjusts each row's
-logits (penalties, bias, grammar), then takes the likeliest token or draws one with the row's
-own seeded generator (the same seed, the same answer, whatever runs beside it). A row whose
-choice fails fails alone. A new sampling rule is a field of ``GenerationParams`` and a filter
+``TokenChooser`` adjusts each row's logits (penalties, bias, grammar), then takes the likeliest
+token or draws one with the row's own seeded generator (the same seed, the same answer,
+whatever runs beside it). A new sampling rule is a field of ``GenerationParams`` and a filter
 here, called from ``sample``.
 """
 
@@ -37,9 +36,7 @@ def frequency_presence_penalty(logits: torch.Tensor, counts: Counter, frequency:
                                presence: float) -> None:
     """OpenAI's penalties over the tokens generated so far, in place: a token's logit loses
     ``frequency`` for each time it was generated, and ``presence`` once if it was at all."""
-    ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-    times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
-    logits[ids] -= frequency * times + presence
+    add_logit_bias(logits, {token: -(frequency * n + presence) for token, n in counts.items()})
 
 
 def add_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
@@ -193,8 +190,7 @@ class TokenChooser:
         if params.logit_bias:
             add_logit_bias(logits, params.logit_bias)
         if row.matcher is not None:
-            budget = row.max_new_tokens - row.count - 1   # tokens left after this one
-            row.matcher.apply(logits, budget)
+            row.matcher.apply(logits, row.max_new_tokens - row.count - 1)   # tokens left after it
 
     def _pick(self, row, token: int, logprob: float, logits: torch.Tensor,
               logprobs: torch.Tensor) -> None:
