@@ -68,7 +68,6 @@ class ContiguousKV:
             lora, names = adapters
             lora.set_rows(names)
         rows = list(range(len(batch)))
-        # EOS is the engine's to handle (per row: ignore_eos, grammars), not the helper's.
         generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
                             choose=lambda logits: choose(logits, rows))
 
