@@ -167,11 +167,10 @@ class Admission:
         """The compiled grammar (None for free text, or when nothing is generated)."""
         if grammar is None or max_new == 0:
             return None
-        kind, value = grammar
-        compiled = self.grammars.compile(kind, value)
+        compiled = self.grammars.compile(*grammar)
         shortest = compiled.min_tokens
         if shortest is not None and shortest + 1 > max_new:       # + 1: the EOS after it
-            raise InvalidRequest(f"the shortest answer this {kind} grammar allows takes "
+            raise InvalidRequest(f"the shortest answer this {grammar[0]} grammar allows takes "
                                  f"{shortest} tokens of this model, plus the end token; "
                                  f"`max_new_tokens` is {max_new}")
         return compiled

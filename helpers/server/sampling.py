@@ -278,8 +278,7 @@ class Sequence:
                 reason = "stop_sequence"
         if reason is None and self.count >= self.max_new_tokens:
             reason = "length"
-        out = {"id": int(token), "text": piece, "logprob": finite(logprob),
-               "special": special}
+        out = {"id": int(token), "text": piece, "logprob": finite(logprob), "special": special}
         if alternatives is not None:
             out["alternative_tokens"] = alternatives
         self.finished = reason is not None
