@@ -285,8 +285,7 @@ class Engine:
         self.stats["busy_seconds"] += time.perf_counter() - start
 
     def _hand_out(self, batch, rows: list[tuple[int, Sequence]]) -> None:
-        """Each row's event (its token, or its failure) goes out; the finished ones leave
-        ``_rows`` and are marked done in ``batch``."""
+        """Each row's event (its token, or its failure) goes out; the finished ones leave."""
         outgoing = []
         try:
             for i, row in rows:

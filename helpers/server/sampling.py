@@ -154,8 +154,7 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits)``: each row's next token by its own rules, from the last position
-    of its row of the (rows, positions, vocab) ``logits``. (Lesson 07.)"""
+    """``chooser(rows, logits)``: each row's next token by its own rules. (Lesson 07.)"""
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
         self.tokenizer = tokenizer
