@@ -1,20 +1,9 @@
 """Admission: a submission checked against the server's limits and made ready for the
 scheduler, and the order in which the waiting ones join the batch. (Lesson 07.)
 
-Everything a request costs before it reaches the model happens in ``Admission.admit``, in
-the thread that submits it, never in the scheduler: the chat template, tokenizing (bounded by
-the prompt's length first), the limits on tokens, loading the adapter, compiling the grammar,
-drawing the seeds. (The parameters' ranges were checked at the door, by
-``GenerationParams.check``.) The scheduler (``engine.py``) only ever sees ``Admitted``
-prompts, and calls ``take_waiting`` once a turn: who is admitted first is a policy
-(``POLICIES``, the server's ``--admission``):
-
-* ``fcfs``: first come, first served (the default, as in vLLM and TGI);
-* ``shortest``: the shortest prompt first (a short request is not stuck behind long ones; a
-  long one may wait while short ones keep coming).
-
-Either way, a request the KV layout cannot hold yet ends the turn's admission: with ``fcfs``
-nothing overtakes it, so a large request is never starved by small ones.
+All that a request costs before the model happens in ``Admission.admit``, in the submitting
+thread, never in the scheduler. Who joins first is a policy (``--admission``): ``fcfs`` (as in
+vLLM and TGI; a large request is never starved) or ``shortest`` prompt first.
 """
 
 from __future__ import annotations
@@ -33,9 +22,8 @@ from .tokens import CHARS_PER_MESSAGE, encode_chat, encode_text, own_encoder
 #: A prompt longer than this many characters per allowed token is refused before it is
 #: tokenized (see ``Admission.max_prompt_chars``).
 CHARS_PER_TOKEN_MARGIN = 2
-#: Memory one request may take for its prompt's log probabilities (``prompt_logprobs``): the
-#: logits of every prompt position, in float32, about three times over (the model's output,
-#: a float copy, the log-softmax).
+#: Memory one request may take for its ``prompt_logprobs``: every prompt position's float32
+#: logits, about three times over (the model's output, a float copy, the log-softmax).
 MAX_SCORING_BYTES = 256 * 2**20
 SCORING_COPIES = 3
 
@@ -52,8 +40,7 @@ class Admitted:
 
 
 class Admission:
-    """The checks and preparation of ``Engine.submit``. ``limits``: max_input_tokens,
-    max_total_tokens, default_max_new_tokens, vocab_size (the engine's)."""
+    """The checks and preparation of ``Engine.submit``, with the engine's limits."""
 
     def __init__(self, tokenizer, adapters: AdapterStore, *, max_input_tokens: int,
                  max_total_tokens: int, default_max_new_tokens: int, vocab_size: int):
@@ -72,12 +59,17 @@ class Admission:
         self.max_prompt_chars = max_input_tokens * longest * CHARS_PER_TOKEN_MARGIN
 
     def admit(self, submission: Submission) -> list[Admitted]:
-        """Every prompt of ``submission``, checked and prepared (a bad one refuses the whole
-        submission before anything runs). Raises ``errors.EngineError``."""
+        """Every prompt of ``submission``, checked and prepared; one bad prompt refuses all."""
         params = submission.params       # checked at the door (GenerationParams.check)
         prompts = submission.prompts
-        if submission.messages is not None:
-            prompts = [self._chat_prompt(submission.messages)]
+        if submission.messages is not None:       # refused by its size before the template
+            size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in submission.messages)
+            if size > self.max_prompt_chars:
+                raise TooLarge(f"the {len(submission.messages)} messages count as {size} "
+                               f"characters ({CHARS_PER_MESSAGE} per message for its role and "
+                               f"separators); this server reads prompts of at most "
+                               f"{self.max_input_tokens} tokens")
+            prompts = [encode_chat(self.tokenizer, submission.messages)]
         if not prompts:
             raise InvalidRequest("the request holds no prompt")
         outside = [t for t in params.logit_bias if t >= self.vocab_size]
@@ -87,11 +79,9 @@ class Admission:
         return [self._admit_one(prompt, params) for prompt in prompts]
 
     def seeds(self, params: GenerationParams, copies: int) -> list[int | None]:
-        """The sampling seeds of one prompt's copies (None for greedy decoding): the first
-        is the request's seed (or one drawn at random), each next one a hash of it and the
-        copy's number. Not ``seed + number``: seed 1234 with n=3 would then share two of its
-        samples with seed 1235, and an evaluation that draws samples per seed would count
-        the same sample twice."""
+        """The sampling seeds of one prompt's copies (None for greedy): the request's seed (or
+        a random one), then hashes of it and the copy's number. Not ``seed + number``: seeds
+        1234 and 1235 would then share samples, which an evaluation would count twice."""
         if not params.sampling:
             return [None] * copies
         first = params.seed if params.seed is not None else secrets.randbits(63)
@@ -99,41 +89,32 @@ class Admission:
                                                          digest_size=8).digest(), "big")
                           for number in range(1, copies)]
 
-    # --- one prompt ----------------------------------------------------------------------------
-
     def _admit_one(self, prompt, params: GenerationParams) -> Admitted:
         ids = self._prompt_ids(prompt, params.truncate)
         if len(ids) > self.max_input_tokens:
             raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(ids)} tokens")
-        # Scoring a prompt keeps one row of logits per prompt token: bounded, so that a short
-        # request to a model with a large vocabulary cannot take gigabytes.
-        scoring_bytes = len(ids) * self.vocab_size * 4 * SCORING_COPIES
-        if params.prompt_logprobs and scoring_bytes > MAX_SCORING_BYTES:
-            most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
+        # Bounded: a short request to a model with a large vocabulary could take gigabytes.
+        most = MAX_SCORING_BYTES // (self.vocab_size * 4 * SCORING_COPIES)
+        if params.prompt_logprobs and len(ids) > most:
             raise TooLarge(f"the prompt's log probabilities can be computed for at most {most} "
                            f"prompt tokens with this model's vocabulary of {self.vocab_size}; "
                            f"given: {len(ids)} tokens")
-        max_new = self._max_new_tokens(len(ids), params.max_new_tokens)
-        adapter = None               # the base model: no adapter to look up
+        room = self.max_total_tokens - len(ids)
+        max_new = params.max_new_tokens
+        if max_new is None:
+            max_new = min(self.default_max_new_tokens, room)
+        elif max_new > room:
+            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
+                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
+                                 f"{len(ids)} prompt tokens and {max_new} new tokens")
+        adapter = None
         if params.adapter_id not in (None, "", NO_ADAPTER):
             adapter = self.adapters.resolve(params.adapter_id, params.adapter_source,
                                             params.api_token)
         grammar = self._compile_grammar(params.grammar, max_new)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return Admitted(text, ids, max_new, adapter, grammar)
-
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The chat's token ids with the model's chat template: the template's markers are
-        special tokens, the messages' text never is (``tokens.encode_chat``)."""
-        # A chat that cannot fit is refused by its size before the template runs.
-        size = sum(len(m["content"]) + CHARS_PER_MESSAGE for m in messages)
-        if size > self.max_prompt_chars:
-            raise TooLarge(f"the {len(messages)} messages count as {size} characters "
-                           f"({CHARS_PER_MESSAGE} per message for its role and "
-                           f"separators); this server reads prompts of at most "
-                           f"{self.max_input_tokens} tokens")
-        return encode_chat(self.tokenizer, messages)
 
     def _prompt_ids(self, prompt, truncate: int | None) -> list[int]:
         """The prompt's token ids (the last ``truncate`` of them, if given). A text prompt too
@@ -142,8 +123,13 @@ class Admission:
             if prompt == "":
                 raise InvalidRequest("the prompt (`inputs`, `prompt`) must not be empty")
             ids = self._tokenize(prompt, truncate)
-        elif isinstance(prompt, (list, tuple)):
-            ids = self._check_token_ids(prompt)
+        elif isinstance(prompt, (list, tuple)):          # OpenAI's token-id prompts
+            for i, token in enumerate(prompt):
+                if isinstance(token, bool) or not isinstance(token, int) \
+                        or not 0 <= token < self.vocab_size:
+                    raise InvalidRequest(f"prompt token {i} is {token!r}: token ids are "
+                                         f"integers from 0 to {self.vocab_size - 1}")
+            ids = prompt
         else:
             raise InvalidRequest("the prompt must be a string or a list of token ids")
         if truncate is not None and len(ids) > truncate:
@@ -153,20 +139,16 @@ class Admission:
         return list(ids)
 
     def _tokenize(self, text: str, truncate: int | None) -> list[int]:
-        """Tokenize a prompt, bounding the work by its length first.
-
-        Without ``truncate`` (or with one above --max-input-tokens) a prompt longer than
-        ``max_prompt_chars`` cannot fit: refused at once. With ``truncate`` only the end of
-        the text is tokenized, as many characters as ``truncate + 1`` tokens can stand for
-        (the tokens kept are the same, unless the cut falls inside one very long word)."""
-        keep = truncate if truncate is not None and truncate <= self.max_input_tokens else None
-        if keep is None and len(text) > self.max_prompt_chars:
+        """Tokenize a prompt, bounding the work by its length first: with a ``truncate`` (within
+        --max-input-tokens), only as many of its last characters as ``truncate + 1`` tokens can
+        stand for are read; without, one longer than ``max_prompt_chars`` is refused."""
+        if truncate is not None and truncate <= self.max_input_tokens:
+            chars_per_token = self.max_prompt_chars // self.max_input_tokens
+            text = text[-(truncate + 1) * chars_per_token:]
+        elif len(text) > self.max_prompt_chars:
             raise InvalidRequest(f"the prompt must have at most {self.max_input_tokens} tokens "
                                  f"(--max-input-tokens); given: {len(text)} characters, more "
                                  f"than that many tokens can hold")
-        if keep is not None:
-            chars_per_token = self.max_prompt_chars // self.max_input_tokens
-            text = text[-(keep + 1) * chars_per_token:]
         return encode_text(self._encoder or self.tokenizer, text)
 
     def tokenize(self, text: str) -> list[dict]:
@@ -181,34 +163,14 @@ class Admission:
         return [{"id": token, "text": text[start:stop], "start": start, "stop": stop}
                 for token, (start, stop) in zip(ids, offsets)]
 
-    def _check_token_ids(self, ids) -> list[int]:
-        """A prompt given as token ids (OpenAI's token-id prompts): every id in the vocabulary."""
-        for i, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) \
-                    or not 0 <= token < self.vocab_size:
-                raise InvalidRequest(f"prompt token {i} is {token!r}: token ids are integers "
-                                     f"from 0 to {self.vocab_size - 1}")
-        return list(ids)
-
-    def _max_new_tokens(self, n_prompt: int, asked: int | None) -> int:
-        room = self.max_total_tokens - n_prompt
-        if asked is None:
-            return min(self.default_max_new_tokens, room)
-        if asked > room:
-            raise InvalidRequest(f"prompt tokens + new tokens (`max_new_tokens`, `max_tokens`) "
-                                 f"must be <= {self.max_total_tokens} (--max-total-tokens); given: "
-                                 f"{n_prompt} prompt tokens and {asked} new tokens")
-        return asked
-
     def _compile_grammar(self, grammar, max_new: int):
         """The compiled grammar (None for free text, or when nothing is generated)."""
         if grammar is None or max_new == 0:
             return None
-        kind, value = grammar
-        compiled = self.grammars.compile(kind, value)
+        compiled = self.grammars.compile(*grammar)
         shortest = compiled.min_tokens
         if shortest is not None and shortest + 1 > max_new:       # + 1: the EOS after it
-            raise InvalidRequest(f"the shortest answer this {kind} grammar allows takes "
+            raise InvalidRequest(f"the shortest answer this {grammar[0]} grammar allows takes "
                                  f"{shortest} tokens of this model, plus the end token; "
                                  f"`max_new_tokens` is {max_new}")
         return compiled
@@ -217,7 +179,6 @@ class Admission:
 # --- who is admitted first -----------------------------------------------------------------
 
 def first_come(waiting):
-    """The request that came first."""
     return waiting[0]
 
 

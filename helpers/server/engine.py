@@ -1,19 +1,9 @@
 """The engine: one scheduler thread that owns the model and runs continuous batching with a
 different adapter on every row. (Lesson 07.)
 
-``submit`` admits a submission (``admission.py``: tokens, limits, adapter, grammar, seeds),
-queues its sequences (``sampling.Sequence``) and answers once with a ``Handle``; ``cancel``
-drops them when the client goes away. The scheduler thread repeats ``Engine.step``, the same
-turn whatever the KV layout and however the model runs: drop the cancelled, admit (the
-policy in ``admission.py``, the room in ``kv.py``), run the layout's passes (lesson 03's
-padded batch or lesson 08's paged cache, eager, compiled or CUDA graphs), choose each row's
-token by its own rules (``sampling.py``) and hand the events out, one ``deliver`` a pass.
-
-Greedy decoding gives exactly what ``helpers.generate_sequential`` gives for the same prompt
-(with an adapter, what generating that row alone with it gives): batching changes when
-answers come, not what they are. A row whose token cannot be chosen (NaN logits from extreme
-settings, a failing grammar) fails alone. The server runs the engine in a process of its own
-by default (``engine_process.py``); the engine is the same either way.
+``submit`` admits and queues a submission (``admission.py``); the scheduler thread repeats
+``Engine.step`` (``kv.py``'s passes, ``sampling.py``'s choices). Greedy answers are exactly
+``helpers.generate_sequential``'s: batching changes when answers come, not what they are.
 """
 
 from __future__ import annotations
@@ -23,6 +13,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict, deque
+from itertools import count
 
 import torch
 
@@ -30,32 +21,20 @@ from ..compilation import CAPTURE_SIZES
 from ..lora import ADAPTERS_DIR
 from .adapters import AdapterStore
 from .admission import POLICIES, Admission, take_waiting
-from .contract import ErrorEvent, Handle, Sink, Submission, deliver
+from .contract import ErrorEvent, Handle, PromptEvent, Sink, Submission, deliver
 from .errors import Overloaded, Unavailable
 from .grammar import Grammars
 from .kv import make_kv
 from .options import DEFAULTS, check
-from .sampling import Sequence, TokenChooser, guarded
+from .sampling import Sequence, TokenChooser, guarded, prompt_logprobs
 
 log = logging.getLogger("helpers.server")
 
 
 class Engine:
     """Continuous batching with per-row adapters, sampling rules and grammars. (Lesson 07.)
-
-    model, tokenizer:  from ``helpers.load_model`` (any causal LM; the tokenizer pads with EOS)
-    adapters_dir:      folder of local adapters, one sub-folder each (default: the course's)
-    max_batch_size ... kv_cache: the server's options of those names (``options.OPTIONS``),
-                       judged by ``options.check``; ``compile``, ``cuda_graphs`` and
-                       ``graph_sizes`` (``--cuda-graph-sizes``) too, for the paged layout
-    layout:            the paged layout's other options (``kv.make_kv``): block_size,
-                       prefix_caching, max_prefill_tokens, num_blocks, capture.
-                       Compiling and capturing happen here, before the engine answers
-                       anything, and never after.
-
-    ``start()`` starts the scheduler thread, ``stop()`` ends it (waiting and running requests
-    get an error event). ``submit`` and ``cancel`` are the HTTP side's (``contract.EngineClient``).
-    """
+    The keywords are the server's options (``options.check`` judges them; ``graph_sizes``:
+    ``--cuda-graph-sizes``); ``layout``: the paged layout's others (``kv.make_kv``)."""
 
     restarts = 0              # never: a scheduler thread is not restarted (EngineProcess is)
 
@@ -81,6 +60,7 @@ class Engine:
         self.max_input_tokens = judged["max_input_tokens"]
         self.max_total_tokens = judged["max_total_tokens"]
         self.max_queue = max_queue
+        self.kv_cache = kv_cache                # the KV layout's name: "paged" or "contiguous"
         self.default_max_new_tokens = default_max_new_tokens
         self.policy_name, self.policy = admission, POLICIES[admission]
         self.device = model.device
@@ -96,8 +76,8 @@ class Engine:
         self._cond = threading.Condition()      # guards the waiting queue and the flags
         self._waiting: deque[Sequence] = deque()
         self._rows: dict[int, Sequence] = {}    # the running sequences, by id
-        self._next_id = 0
-        self._next_handle = 0
+        self._sequence_ids = count()            # the engine's number for each sequence
+        self._handle_ids = count()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
@@ -109,17 +89,13 @@ class Engine:
                                    vocab_size=self.vocab_size)
         self.max_prompt_chars = self.admission.max_prompt_chars
         self.stats = defaultdict(float)
-        #: Where the running rows' keys and values live, the passes of a turn and how they
-        #: run (``kv.py``).
         if kv_cache == "paged":
             layout.update(compile=judged["compile"], cuda_graphs=judged["cuda_graphs"],
                           graph_sizes=judged["cuda_graph_sizes"])
         self.kv = make_kv(kv_cache, model, tokenizer, self.pad_id,
                           max_batch_size=max_batch_size, max_total_tokens=self.max_total_tokens,
                           lora=self.adapters.lora, **layout)
-        #: Where every step's events go: ``deliver([(sequence, event), ...])``. Here, to each
-        #: submission's sink; the engine's process sends them to the HTTP process instead.
-        self.deliver = deliver_to_sinks
+        self.deliver = deliver_to_sinks     # where events go (the engine's process sets its own)
 
     def start(self) -> "Engine":
         if self._thread is not None and self._thread.is_alive():
@@ -138,25 +114,17 @@ class Engine:
             self._thread.join(timeout)
 
     @property
-    def kv_cache(self) -> str:
-        """The KV layout's name: "paged" or "contiguous"."""
-        return self.kv.name
-
-    @property
     def healthy(self) -> bool:
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self._failure is None)
 
     def submit(self, submission: Submission, sink: Sink | None = None,
                tag: object = None) -> Handle:
-        """Admit every prompt of ``submission`` (may block, loading an adapter or compiling
-        a grammar: call it from a worker thread) and queue ``submission.copies`` sequences of
-        each; their events go to ``sink`` (``tag``: the caller's name for the submission).
-        Raises ``errors.EngineError`` (``Overloaded``: the queue is full), and then nothing
-        was queued."""
+        """Admit every prompt of ``submission`` (may block: call it from a worker thread) and
+        queue ``submission.copies`` sequences of each, their events for ``sink``. Raises
+        ``errors.EngineError``, and then nothing was queued."""
         admitted = self.admission.admit(submission)
         params, copies = submission.params, submission.copies
-        # Each prompt its own seeds (the request's seed, if it gave one, for each prompt).
         seeds = [seed for _ in admitted for seed in self.admission.seeds(params, copies)]
         with self._cond:
             if not self.healthy:
@@ -166,15 +134,12 @@ class Engine:
                 self.stats["rejected_overloaded"] += 1
                 raise Overloaded(f"Model is overloaded: {len(self._waiting)} requests are "
                                  f"already waiting (--max-queue {self.max_queue}); retry later")
-            handle = Handle(self._next_handle, [a.text for a in admitted], len(seeds), seeds,
-                            sink, tag)
-            self._next_handle += 1
-            requests = [Sequence(self._next_id + sequence, handle, sequence,
-                                admitted[sequence // copies], params, seed, self.tokenizer,
-                                self.eos_id)
-                        for sequence, seed in enumerate(seeds)]
-            self._next_id += len(requests)
-            self._waiting.extend(requests)
+            handle = Handle(next(self._handle_ids), [a.text for a in admitted], len(seeds),
+                            seeds, sink, tag)
+            self._waiting.extend(Sequence(next(self._sequence_ids), handle, sequence,
+                                          admitted[sequence // copies], params, seed,
+                                          self.tokenizer, self.eos_id)
+                                 for sequence, seed in enumerate(seeds))
             self.stats["requests"] += handle.sequences
             self._cond.notify_all()
         return handle
@@ -194,10 +159,9 @@ class Engine:
         return {**state, **self.stats, **self.kv.snapshot()}
 
     def info(self) -> dict:
-        model = self.model
         return {
             "model_id": self.model_id,
-            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "model_dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "model_device_type": self.device.type,
             "model_pipeline_tag": "text-generation",
             "max_batch_size": self.max_batch_size,
@@ -228,29 +192,26 @@ class Engine:
     # --- the scheduler thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)
         try:
-            self._loop()
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._waiting and not self._rows:
+                        self._cond.wait(timeout=1.0)
+                    if self._stopping:
+                        break
+                try:
+                    with self._model_lock, torch.inference_mode():
+                        self.step()
+                except Exception:   # the model failed: fail the rows, keep serving
+                    log.error("generation failed:\n%s", traceback.format_exc())
+                    self._fail_rows("generation failed; the server's log has the details")
         except BaseException as err:     # a bug in the scheduler itself: say so in /health
             self._failure = f"{type(err).__name__}: {err}"
             log.error("the scheduler stopped:\n%s", traceback.format_exc())
             raise
         finally:
             self._shutdown()
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self._cond:
-                while not self._stopping and not self._waiting and not self._rows:
-                    self._cond.wait(timeout=1.0)
-                if self._stopping:
-                    break
-            try:
-                with self._model_lock, torch.inference_mode():
-                    self.step()
-            except Exception:   # the model failed: fail the rows, keep serving
-                log.error("generation failed:\n%s", traceback.format_exc())
-                self._fail_rows("generation failed; the server's log has the details")
 
     def step(self) -> None:
         """One turn of the scheduler, the same for every KV layout and every way of running
@@ -284,13 +245,13 @@ class Engine:
             self.stats["cancelled"] += len(gone)
 
     def _score_prompts(self, new: list[Sequence]) -> None:
-        """The PromptEvent of every new sequence that asked for it (``prompt_logprobs``),
-        from a pass of its prompt alone: its prefill may be chunked or cached."""
+        """Each new ``prompt_logprobs`` sequence's PromptEvent, from a pass of its prompt alone
+        (its prefill may be chunked or cached)."""
         outgoing = []
         for row in new:
             if row.params.prompt_logprobs:
                 guarded(row, self._score_alone, row, outgoing)
-        if outgoing:             # (in its own process, every delivery is a message)
+        if outgoing:
             self.deliver(outgoing)
 
     def _score_alone(self, row: Sequence, outgoing: list) -> None:
@@ -298,15 +259,15 @@ class Engine:
         ids = torch.tensor([row.prompt_ids], device=self.device)
         with lora.rows([row.adapter] if lora.names else None):   # then the rows as they were
             logits = self.model(input_ids=ids, use_cache=False).logits[0]
-        self.choose.score_prompt(row, logits, outgoing)
+        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer, row.params.alternatives)
+        outgoing.append((row, PromptEvent(tokens)))
 
     def _generate(self, batch) -> None:
-        """One pass of the layout over ``batch``, each row with its adapter; the rows that read
-        all their tokens get their next one (``TokenChooser``), and their events go out."""
+        """One pass of the layout over ``batch``, each row with its adapter and its choice."""
         start = time.perf_counter()
-        kind = "decode" if batch.prefilled else "prefill"
+        kind = "decode" if batch.prefilled else "prefill"      # before the pass changes it
         self.stats["rows_max"] = max(self.stats["rows_max"], len(self._rows))
-        outgoing, chosen = [], []
+        chosen = []
 
         def choose(logits, rows):
             picked = [self._rows[batch.request_ids[i]] for i in rows]
@@ -318,16 +279,14 @@ class Engine:
         if lora.names:
             adapters = (lora, [self._rows[rid].adapter for rid in batch.request_ids])
         self.kv.forward(batch, adapters, choose)
-        self._hand_out(batch, chosen, outgoing)
+        self._hand_out(batch, chosen)
         self.stats[f"steps_{kind}"] += 1
         self.stats["tokens"] += len(chosen)
         self.stats["busy_seconds"] += time.perf_counter() - start
 
-    # --- handing out tokens ------------------------------------------------------------------
-
-    def _hand_out(self, batch, rows: list[tuple[int, Sequence]], outgoing: list) -> None:
-        """Each row's event (its token, or its failure) goes out; the finished ones leave
-        ``_rows`` and are marked done in ``batch``."""
+    def _hand_out(self, batch, rows: list[tuple[int, Sequence]]) -> None:
+        """Each row's event (its token, or its failure) goes out; the finished ones leave."""
+        outgoing = []
         try:
             for i, row in rows:
                 if row.error is None:
@@ -363,5 +322,4 @@ class Engine:
 
 
 def deliver_to_sinks(outgoing: list[tuple[Sequence, object]]) -> None:
-    """A step's events to their submissions' sinks (``contract.deliver``)."""
     deliver([(sequence.handle, sequence.sequence, event) for sequence, event in outgoing])

@@ -1,23 +1,10 @@
-"""CUDA graphs for the paged layout's decode passes: each replayed with a launch or two.
-(Lessons 08 and 10.)
+"""CUDA graphs for the paged layout's decode passes, each replayed with a launch or two
+(a small model's decode step is bound by kernel launches). (Lessons 08 and 10.)
 
-On a GPU a small model's decode step is bound by kernel launches: each takes the CPU longer
-than the GPU takes to run it. A CUDA graph records one step's launches once and replays them
-with one launch; what it records is fixed, and this module is the bookkeeping that follows:
-
-* **shapes**: one graph per *capture size* (1, 2, 4, ... 64); a decode batch of n rows replays
-  the smallest that holds it (lesson 10's ``capture_size``), the rows past n being padding.
-  Every row reads L = ``max_total_tokens`` pool entries, those past its end masked.
-* **addresses**: every graph reads one input buffer on the GPU (``inputs``), filled each step
-  by one copy from a pinned twin (``staging``); the output is the graph's own tensor. The KV
-  pool never moves (lesson 08). Padding rows read and write the scratch block only.
-* **nothing else**: a graph replays kernels only, so steps that read prompts, rows with a LoRA
-  adapter and batches above the largest size run the packed step instead, each counted by
-  reason (``fallbacks``).
-
-Every graph is captured at start-up, largest first, in one memory pool, and none after. The
-recording is lesson 10's ``record``; on a CPU, ``rerun_each_replay`` stands in for it (a step
-run again at each "replay"), so the tests check all of the above without a GPU.
+A graph's shapes and addresses are fixed: a batch of n rows replays the graph of the smallest
+capture size that holds it (the rest padding, on the scratch block), every row reading
+L = ``max_total_tokens`` pool entries, from one GPU buffer filled by one copy a step. Steps that
+read prompts or use adapters, and larger batches, run the packed step instead (``fallbacks``).
 """
 
 from __future__ import annotations
@@ -31,26 +18,21 @@ from ..compilation import CAPTURE_SIZES, capture_size, record
 from ..paged.attention import PackedInputs
 from . import startup
 
-#: The columns of one row of the staging buffer: its new token, that token's position, the
-#: pool index its keys and values go to, its history's length; then the L pool indices of
-#: its history (the scratch entry past its end).
+#: A row's columns in ``inputs``: its new token, the token's position, the pool index its keys
+#: and values go to, its history's length; then the L pool indices of its history.
 ID, POSITION, WRITE, LENGTH, READ = 0, 1, 2, 3, 4
 
 
 def _fresh(view: torch.Tensor) -> torch.Tensor:
-    """A copy of a column or block of ``inputs`` laid out as the compiled step was traced
-    with: contiguous, with plain strides even where a size is 1 (torch guards on strides)."""
+    """A copy of part of ``inputs`` with plain contiguous strides, even where a size is 1, as
+    the compiled step was traced with (torch guards on strides)."""
     return view.clone(memory_format=torch.contiguous_format)
 
 
 class GraphedDecode:
-    """The decode step of ``packed`` (a ``PackedStep``, compiled or not) captured as one graph
-    per capture size. (Lesson 10.)
-
-    ``capture_all()`` records the graphs (at start-up); ``replays_for(batch)`` says whether
-    a batch can replay one; calling it replays the step, as calling ``PackedStep`` runs it.
-    ``length`` is L, the most positions a row's history may have.
-    """
+    """The decode step of ``packed`` (a ``PackedStep``) captured as one graph per capture size
+    (``capture_all()``); called, it replays the step as ``PackedStep`` runs it. ``length``: L,
+    the most positions a row's history may have. (Lesson 10.)"""
 
     def __init__(self, packed, length: int, sizes=CAPTURE_SIZES, capture=None):
         self.packed = packed
@@ -62,7 +44,6 @@ class GraphedDecode:
         # Made as the engine's steps make their tensors (in inference mode), so that the
         # compiled step's guards see the same kind of tensor.
         with torch.inference_mode():
-            # One row a request: token, position, write index, length, then L read indices.
             self.staging = torch.zeros(largest, READ + length, dtype=torch.long,
                                        pin_memory=on_gpu)
             self.inputs = torch.zeros(largest, READ + length, dtype=torch.long, device=device)
@@ -70,26 +51,23 @@ class GraphedDecode:
             self.padding = torch.full((READ + length,), packed.scratch, dtype=torch.long)
             self.padding[ID], self.padding[POSITION], self.padding[LENGTH] = packed.pad_id, 0, 1
             self._positions = torch.arange(length, device=device)
-            # Row r's query, output and last token are all token r (three tensors, as the
-            # compiled step was traced with: torch would guard on two arguments being one).
+            # Row r's query, output and last token are token r: three tensors, or torch would
+            # guard on two arguments being one.
             self._query = torch.arange(largest, device=device)[:, None].contiguous()
             self._output = torch.arange(largest, device=device)
             self._last = torch.arange(largest, device=device)
         self.capture = capture          # None: lesson 10's ``record`` (the tests: a stand-in)
         self.pool = None                # the graphs' shared memory pool
         self.graphs: dict[int, tuple] = {}         # size -> (replay, output)
-        self.captures = 0
         self.replays = 0
         self.padded_rows = 0                       # rows replayed for nothing
         self.fallbacks: Counter = Counter()        # decode-or-not steps that did not replay
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
-    # --- start-up ------------------------------------------------------------------------
-
     def capture_all(self) -> None:
-        """Record one graph per capture size, largest first (the later ones reuse its memory
-        pool), each on a batch of padding rows only."""
+        """Record one graph per capture size on padding rows, largest first (the later ones
+        reuse its memory pool)."""
         start = time.perf_counter()
         on_gpu = self.inputs.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.inputs.device) if on_gpu else 0
@@ -104,18 +82,16 @@ class GraphedDecode:
                     self.graphs[size] = (replay, output)
                 else:
                     self.graphs[size] = self.capture(body)
-            self.captures += 1
         if on_gpu:
             torch.cuda.synchronize(self.inputs.device)
             self.memory_bytes = torch.cuda.memory_reserved(self.inputs.device) - before
         self.capture_seconds = time.perf_counter() - start
         startup.report("captured %d CUDA graphs (sizes %s) in %.1f s, %.1f MiB",
-                       self.captures, ",".join(map(str, self.sizes)), self.capture_seconds,
+                       len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds,
                        self.memory_bytes / 2**20)
 
     def _body(self, size: int) -> torch.Tensor:
-        """The step a graph records: the model on the first ``size`` rows of ``inputs``.
-        Everything it reads is in ``inputs`` or computed from it on the GPU."""
+        """The step a graph records: the model on the first ``size`` rows of ``inputs``."""
         rows = self.inputs[:size]
         lengths = rows[:, LENGTH]
         mask = (self._positions[None, :] < lengths[:, None])[:, None, None, :]   # (R,1,1,L)
@@ -124,11 +100,8 @@ class GraphedDecode:
                              _fresh(rows[:, POSITION].reshape(1, size)), self._last[:size])
         return self.packed._call(_fresh(rows[:, ID].reshape(1, size)), paged)
 
-    # --- every step ------------------------------------------------------------------------
-
     def replays_for(self, batch) -> bool:
-        """Whether this batch can replay a graph; if not, the reason is counted ("prompt",
-        "adapter", "rows")."""
+        """Whether this batch can replay a graph; if not, the reason is counted."""
         why = ("prompt" if not batch.prefilled          # some row reads prompt tokens
                else "adapter" if any(batch.adapters)
                else "rows" if sum(not done for done in batch.done) > self.sizes[-1] else None)
@@ -137,13 +110,12 @@ class GraphedDecode:
         return why is None
 
     def __call__(self, batch, rows, starts, counts, tables) -> torch.Tensor:
-        """A decode pass (``paged_next_token``'s ``forward``), one token a row, replayed."""
         return self.run(starts, tables, [batch.sequence(row)[start]
                                          for row, start in zip(rows, starts)])
 
     def run(self, starts: list[int], tables: list[list[int]], ids: list[int]) -> torch.Tensor:
-        """Replay the step of the graph of their capture size for these rows (row r: ``starts[r]``
-        tokens in its blocks ``tables[r]``, feeding ``ids[r]``); their logits, (rows, 1, vocab)."""
+        """Replay the graph of their capture size for these rows (row r: ``starts[r]`` tokens in
+        its blocks ``tables[r]``, feeding ``ids[r]``); their logits, (rows, 1, vocab)."""
         size = capture_size(len(ids), self.sizes)
         self._stage(starts, tables, ids, size)
         replay, output = self.graphs[size]
@@ -153,14 +125,13 @@ class GraphedDecode:
         return output[0, :len(ids), None]
 
     def _stage(self, starts, tables, ids, size: int) -> None:
-        """Fill the first ``size`` rows of the pinned staging buffer (the real rows, then
-        padding rows) and copy them to the GPU's ``inputs`` in one transfer."""
+        """Fill the first ``size`` rows of ``staging`` (the real rows, then padding) and copy
+        them to ``inputs`` in one transfer."""
         rows = len(ids)
         staging = self.staging
         if rows:
-            packed = self.packed
-            built = PackedInputs.build(packed.pool, packed.scratch, tables, starts, [1] * rows,
-                                       "cpu", length=self.length)
+            built = PackedInputs.build(self.packed.pool, self.packed.scratch, tables, starts,
+                                       [1] * rows, "cpu", length=self.length)
             staging[:rows, ID] = torch.tensor(ids)
             staging[:rows, POSITION] = built.positions[0]
             staging[:rows, WRITE] = built.write_indices
@@ -170,7 +141,7 @@ class GraphedDecode:
         self.inputs[:size].copy_(staging[:size], non_blocking=True)
 
     def snapshot(self) -> dict:
-        return {"cuda_graph_captures": self.captures, "cuda_graph_replays": self.replays,
+        return {"cuda_graph_captures": len(self.graphs), "cuda_graph_replays": self.replays,
                 "cuda_graph_padded_rows": self.padded_rows,
                 "cuda_graph_fallbacks": dict(self.fallbacks),
                 "cuda_graph_memory_bytes": self.memory_bytes,

@@ -1,20 +1,10 @@
 """The KV layouts the engine is given, and how the paged one runs its passes. (Lessons 03,
 07, 08 and 10.)
 
-``Engine.step`` is the same for both layouts; a layout answers four questions: ``admits()``
-(may waiting requests join this turn?), ``admit(sequence)`` (is there room for this one? it
-is then reserved), ``passes()`` (this turn's forward passes, one batch each; after each, the
-finished rows leave and their room goes back) and ``forward(batch, adapters, choose)`` (one
-pass, then ``choose(logits, rows)`` for the rows that read all their tokens).
-
-``ContiguousKV`` is lesson 03's padded batch (``--kv-cache contiguous``): new prompts are read
-in a prefill pass of their own, then one decode pass runs over every row. ``PagedKV`` is lesson
-08's pool of blocks (the default): one pass feeds every row what it has pending (a decode row
-its last token, a new row its prompt or a chunk of it), its model pass run by the ``Runner``:
-eager with the rows' tokens packed into one sequence as vLLM does (``PackedStep``), compiled
-(lesson 10, ``--compile``; three graphs, compiled at start-up), or replayed from a CUDA graph
-(lesson 10, ``--cuda-graphs``: ``graphs.py``); a pass in which a row uses a LoRA adapter runs
-lesson 08's own. Nothing is compiled or captured after start-up.
+A layout answers ``Engine.step``'s questions: ``admits()`` (may requests join now?),
+``admit(sequence)`` (room for it? then reserved), ``passes()`` (this turn's batches) and
+``forward(batch, adapters, choose)``. ``PagedKV``'s ``Runner`` runs a pass packed as vLLM does
+(``PackedStep``), eager or compiled, or replays it as a CUDA graph (``graphs.py``).
 """
 
 from __future__ import annotations
@@ -73,18 +63,15 @@ class ContiguousKV:
             self.batch = filter_batch(self.batch)
 
     def forward(self, batch: Batch, adapters, choose) -> None:
-        """Lesson 03's ``generate_next_token``, each row with its adapter (``adapters``: a
-        ``MultiLora`` and each row's name, or None)."""
+        """Lesson 03's ``generate_next_token``; ``adapters``: a ``MultiLora`` and each row's."""
         if adapters is not None:
             lora, names = adapters
             lora.set_rows(names)
         rows = list(range(len(batch)))
-        # EOS is the engine's to handle (per row: ignore_eos, grammars), not the helper's.
         generate_next_token(self.model, self.tokenizer, batch, stop_at_eos=False,
                             choose=lambda logits: choose(logits, rows))
 
     def drop(self, request_ids) -> None:
-        """These rows leave the running batch (their clients went away)."""
         self.batch = filter_batch(_done(self.batch, request_ids))
 
     def clear(self) -> None:
@@ -98,17 +85,15 @@ class ContiguousKV:
 
 
 def _done(batch, request_ids):
-    """``batch`` with the rows of ``request_ids`` marked done (to be filtered out)."""
     for row, rid in enumerate(batch.request_ids):
         batch.done[row] = batch.done[row] or rid in request_ids
     return batch
 
 
 class PagedKV:
-    """Lesson 08's KV cache: a pool of blocks, a block table per row (``PagedBatch``), prefix
-    caching and chunked prefill. A request is admitted when the pool can hold its worst case
-    (prompt plus every new token it may get); while the last newcomers are still reading their
-    prompts (in chunks of ``max_prefill_tokens``), no one else joins."""
+    """Lesson 08's KV cache: a pool of blocks, prefix caching and chunked prefill. A request is
+    admitted when the pool can hold its worst case (prompt plus every new token it may get),
+    and not while the last newcomers are still reading their prompts."""
 
     name = "paged"
 
@@ -147,7 +132,6 @@ class PagedKV:
             self.batch = filter_paged_batch(self.cache, self.batch)
 
     def forward(self, batch: PagedBatch, adapters, choose) -> None:
-        """Lesson 08's ``paged_next_token``, its model pass the runner's."""
         lora = adapters[0] if adapters is not None else None
         forward = self.runner.pick(batch, lora)
         # EOS is the engine's to handle (per row: ignore_eos, grammars), not the helper's.
@@ -178,10 +162,9 @@ class PagedKV:
 
 def make_kv(kind: str, model, tokenizer, pad_id: int, *, max_batch_size: int,
             max_total_tokens: int, lora=None, **layout):
-    """The layout ``kind`` names ("paged" or "contiguous"). The paged one's options
-    (``layout``): block_size (16), prefix_caching (True), max_prefill_tokens (512),
-    num_blocks (as many as ``POOL_BYTES`` holds), and its ``Runner``'s: compile, cuda_graphs,
-    graph_sizes and capture, judged already (``options.check``)."""
+    """The layout ``kind`` names. The paged one's options (``layout``): block_size (16),
+    prefix_caching (True), max_prefill_tokens (512), num_blocks (as many as ``POOL_BYTES``
+    holds), and the ``Runner``'s (judged already by ``options.check``)."""
     if kind == "contiguous":
         if layout:
             raise ValueError(f"{', '.join(layout)}: options of the paged KV layout, not of "
@@ -210,20 +193,17 @@ def make_kv(kind: str, model, tokenizer, pad_id: int, *, max_batch_size: int,
 
 # --- how the paged layout runs a pass (lesson 10) ------------------------------------------
 
-#: The three kinds of step, each compiled at start-up: (what it is, starts, counts). Sizes that
-#: differ from one another (T, R, Q, L), so that torch does not take two of them for one (it
-#: would guard on their being equal).
+#: The three kinds of step compiled at start-up: (what, starts, counts), with sizes T, R, Q, L
+#: all different, or torch would guard on two of them being equal.
 WARM_UP = (("the decode step of one row", [2], [1]),
            ("every decode step of two rows or more", [4, 0, 0], [1, 1, 1]),
            ("every step that reads prompts", [2, 0], [3, 1]))
 
 
 class PackedStep:
-    """The paged layout's model pass with the new tokens of every row packed into one
-    sequence, compiled once and reused, or eager. (Lessons 08, 10.) ``scratch_block``: a block
-    of ``pool`` the block manager never hands out, where padding entries read and write.
-    ``warm_up()`` compiles; calling it is the ``forward`` of lesson 08's ``paged_next_token``.
-    """
+    """The paged model pass (lesson 08's ``forward``) with every row's new tokens packed into
+    one sequence, compiled (``warm_up()``) or eager. (Lessons 08, 10.) ``scratch_block``: a
+    block the manager never hands out, which padding entries read and write."""
 
     def __init__(self, model, pool: KVPool, scratch_block: int, pad_id: int,
                  compile: bool = True):
@@ -237,12 +217,11 @@ class PackedStep:
         self.compiled = compile
         self.sealed = False          # after start-up: a step that needs a new graph runs eager
         self.eager_instead = 0       # steps that did (each would have been a compile)
-        self._forward = self._run_model
-        if compile:
-            self._forward = torch.compile(self._run_model, backend=self._counting_backend)
+        self._forward = (torch.compile(self._run_model, backend=self._counting_backend)
+                         if compile else self._run_model)
 
     def _counting_backend(self, graph_module, example_inputs):
-        """torch.compile's backend: inductor, with each graph it compiles counted and timed."""
+        """Inductor, each graph it compiles counted and timed."""
         from torch._inductor.compile_fx import compile_fx
 
         self.compiles += 1
@@ -252,8 +231,7 @@ class PackedStep:
         return compiled
 
     def warm_up(self) -> None:
-        """Compile the three kinds of step (``WARM_UP``), each in a start-up line. Only the
-        scratch block is read and written: no request's keys or values are touched."""
+        """Compile the three kinds of step (``WARM_UP``) on the scratch block alone."""
         start = time.perf_counter()
         block = self.scratch // self.pool.block_size
         with torch.inference_mode():
@@ -268,16 +246,14 @@ class PackedStep:
 
     def __call__(self, batch: PagedBatch, rows: list[int], starts: list[int],
                  counts: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Lesson 08's model pass (``paged_next_token``'s ``forward``): row ``rows[i]`` feeds
-        ``counts[i]`` tokens from position ``starts[i]`` on, its blocks being ``tables[i]``.
-        Returns each row's last-token logits, (R, 1, vocab)."""
+        """Row ``rows[i]`` feeds ``counts[i]`` tokens from position ``starts[i]`` on, its blocks
+        being ``tables[i]``; each row's last-token logits, (R, 1, vocab)."""
         ids = [token for row, start, new in zip(rows, starts, counts)
                for token in batch.sequence(row)[start:start + new]]
         starts, counts, tables = list(starts), list(counts), list(tables)
         if len(rows) == 1 and counts[0] > 1:
-            # One row reading a prompt gets a second row, one token on the scratch block (its
-            # output dropped): torch compiles a size of 1 apart, and a token is cheaper than
-            # a graph. (The decode step of one row, the most frequent, has its own graph.)
+            # One row reading a prompt gets a second, one scratch token (its output dropped):
+            # torch compiles a size of 1 apart, and a token is cheaper than a graph.
             starts.append(0)
             counts.append(1)
             tables.append([self.scratch // self.pool.block_size])
@@ -286,16 +262,13 @@ class PackedStep:
 
     def _run(self, starts: list[int], counts: list[int], tables: list[list[int]],
              ids: list[int]) -> torch.Tensor:
-        """The model on one step's new tokens (``ids``: all of them, row after row)."""
         device = self.model.device
         paged = PackedInputs.build(self.pool, self.scratch, tables, starts, counts, device)
-        logits = self._call(torch.tensor([ids], device=device), paged)
-        return logits[0][:, None]
+        return self._call(torch.tensor([ids], device=device), paged)[0][:, None]
 
     def _call(self, ids, paged: PackedInputs):
-        """The model on one step's tensors (each contiguous: a compiled graph guards strides
-        too), with the sizes that vary (T, R, Q and L) marked dynamic for the compiler; a
-        size of 1 stays static (torch would specialize it anyway)."""
+        """The model on one step's (contiguous) tensors, the sizes that vary (T, R, Q, L) marked
+        dynamic for the compiler unless 1 (torch would specialize that anyway)."""
         dims = [(ids, 1), (paged.positions, 1), (paged.write_indices, 0),      # T
                 (paged.output_indices, 0), (paged.last, 0), (paged.read_indices, 0),  # T, R
                 (paged.query_indices, 0), (paged.mask, 0),                            # R
@@ -306,21 +279,19 @@ class PackedStep:
                 torch._dynamo.mark_dynamic(tensor, dim)
         config = self.model.config        # the attention function the model's layers call
         previous, config._attn_implementation = config._attn_implementation, COMPILED_ATTENTION
+        stance = "fail_on_recompile" if self.sealed and self.compiled else "default"
         try:
-            if not (self.sealed and self.compiled):
+            with torch.compiler.set_stance(stance):
                 return self._forward(ids, paged)
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    return self._forward(ids, paged)
-            except RuntimeError as err:
-                if "fail_on_recompile" not in str(err):
-                    raise
-                if not self.eager_instead:
-                    log.warning("a step needed a graph that start-up did not compile; it ran "
-                                "eager instead (so do any such steps from now on): %s",
-                                str(err).splitlines()[0])
-                self.eager_instead += 1
-                return self._run_model(ids, paged)
+        except RuntimeError as err:
+            if "fail_on_recompile" not in str(err):
+                raise
+            if not self.eager_instead:
+                log.warning("a step needed a graph that start-up did not compile; it ran eager "
+                            "instead (so do any such steps from now on): %s",
+                            str(err).splitlines()[0])
+            self.eager_instead += 1
+            return self._run_model(ids, paged)
         finally:
             config._attn_implementation = previous
 
@@ -330,10 +301,8 @@ class PackedStep:
 
 
 class Runner:
-    """The model pass of the paged step, eager, compiled or replayed. (Lessons 08 and 10.)
-    ``compile`` and ``cuda_graphs`` as the server's options say ("auto": where it works, with
-    a warning where it fails); ``capture``: how a step is recorded (default: lesson 10's
-    ``record``; the tests give ``rerun_each_replay`` to run the graphs on a CPU)."""
+    """The paged step's model pass, eager, compiled or replayed. (Lessons 08 and 10.)
+    ``capture``: how a step is recorded (default: lesson 10's ``record``)."""
 
     def __init__(self, model, cache, scratch_block: int, pad_id: int, lora=None, *,
                  graph_sizes, compile="off", cuda_graphs="off", capture=None,
@@ -342,8 +311,8 @@ class Runner:
                                                 and model.device.type == "cuda")
         self.packed = PackedStep(model, cache.pool, scratch_block, pad_id, compile != "off")
         if (compile != "off" or graphs_wanted) and lora is not None:
-            # Every layer an adapter could touch is wrapped first, so that loading an adapter
-            # later never changes the model the graphs were traced or captured from.
+            # Every layer an adapter could touch is wrapped now, so that loading one later never
+            # changes the model the graphs were traced or captured from.
             lora.wrap_all()
         if compile != "off":
             try:
@@ -373,8 +342,8 @@ class Runner:
         self.steps_compiled = 0
 
     def pick(self, batch, lora):
-        """The model pass for this batch: a graph's replay, the packed step (compiled or
-        eager), or None for lesson 08's own pass where a row uses an adapter."""
+        """A graph's replay, the packed step, or None (lesson 08's own pass) where a row uses
+        an adapter."""
         replays = self.graphs is not None and self.graphs.replays_for(batch)
         if any(batch.adapters):
             return None
@@ -386,10 +355,9 @@ class Runner:
         return self.packed
 
     def snapshot(self) -> dict:
-        packed = self.packed
         graphs = self.graphs.snapshot() if self.graphs is not None else {}
-        return {"compiles": packed.compiles, "compile_seconds": packed.compile_seconds,
-                "steps_eager_instead": packed.eager_instead,
+        return {"compiles": self.packed.compiles, "compile_seconds": self.packed.compile_seconds,
+                "steps_eager_instead": self.packed.eager_instead,
                 "steps_compiled": self.steps_compiled, **graphs}
 
     def info(self) -> dict:

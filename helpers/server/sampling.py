@@ -1,22 +1,10 @@
 """Each row's next token by the rules its request sets, and the sequence that keeps them.
 (Lesson 07.)
 
-The engine runs lesson 03's ``generate_next_token`` (or lesson 08's ``paged_next_token``) with
-``TokenChooser`` instead of the greedy ``argmax``. For every row it starts from the model's
-logits and
-
-1. adjusts them: the penalties for repeating, the request's ``logit_bias``, its grammar's mask
-   (forbidden tokens get -inf, ``grammar.py``);
-2. picks a token: the likeliest (``greedy``), or a draw (``sample``) reshaped by temperature,
-   top-k, top-p, typical-p and min-p, with the request's own seeded ``torch.Generator`` (the
-   same seed gives the same answer, whatever else runs beside it);
-3. reports its log probability and, if asked, the likeliest alternatives.
-
-A row whose choice fails (NaN logits from extreme settings, a failing grammar) gets its
-``error`` set and the padding token: it fails alone, the other rows carry on. ``Sequence``
-(part 5) holds one sequence's rules and state; its ``accept`` turns the choice into the
-token's event, with its text and whether it finished. A new sampling rule is a field of
-``GenerationParams`` (``contract.py``) and a filter here, called from ``sample``.
+``TokenChooser`` adjusts each row's logits (penalties, bias, grammar), then takes the likeliest
+token or draws one with the row's own seeded generator (the same seed, the same answer,
+whatever runs beside it). A new sampling rule is a field of ``GenerationParams`` and a filter
+here, called from ``sample``.
 """
 
 from __future__ import annotations
@@ -29,22 +17,17 @@ from collections import Counter
 import torch
 
 from .admission import Admitted
-from .contract import ErrorEvent, Finish, GenerationParams, Handle, PromptEvent, TokenEvent
+from .contract import ErrorEvent, Finish, GenerationParams, Handle, TokenEvent
 from .errors import EngineError, GenerationFailed
 from .tokens import IncrementalDecoder
 
 log = logging.getLogger("helpers.server")
 
 
-# --- 1. adjusting the logits -----------------------------------------------------------------
-
 def repetition_penalty(logits: torch.Tensor, seen_ids, penalty: float) -> None:
-    """Make every token already seen (prompt and answer) less likely, in place. transformers'
-    and TGI's rule: a positive logit is divided by ``penalty``, a negative one multiplied, so
-    that a penalty > 1 always lowers the token's probability."""
+    """Make every token already seen less likely, in place, by transformers' and TGI's rule: a
+    positive logit divided by ``penalty``, a negative one multiplied."""
     seen = torch.tensor(sorted(set(seen_ids)), dtype=torch.long, device=logits.device)
-    if len(seen) == 0:
-        return
     values = logits[seen]
     logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
@@ -53,11 +36,7 @@ def frequency_presence_penalty(logits: torch.Tensor, counts: Counter, frequency:
                                presence: float) -> None:
     """OpenAI's penalties over the tokens generated so far, in place: a token's logit loses
     ``frequency`` for each time it was generated, and ``presence`` once if it was at all."""
-    if not counts:
-        return
-    ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-    times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
-    logits[ids] -= frequency * times + presence
+    add_logit_bias(logits, {token: -(frequency * n + presence) for token, n in counts.items()})
 
 
 def add_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
@@ -74,13 +53,6 @@ def check_finite(logits: torch.Tensor) -> None:
                                "infinity); extreme sampling settings are the usual cause")
 
 
-# --- 2. picking a token --------------------------------------------------------------------
-
-def greedy(logits: torch.Tensor) -> list[int]:
-    """The likeliest next token of every row of (rows, vocab) logits (lesson 03's choice)."""
-    return logits.argmax(dim=-1).tolist()
-
-
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Only the ``k`` likeliest tokens stay (ties with the k-th stay too)."""
     if k >= logits.numel():
@@ -90,29 +62,31 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus sampling: the likeliest tokens whose probabilities add up to ``p`` stay (the one
-    that crosses ``p`` too); the likeliest token always stays."""
+    """Nucleus sampling: the likeliest tokens stay until their mass reaches ``p``."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs          # the mass of the tokens ranked above
-    drop = before >= p
+    return _keep_mass(logits, order, torch.softmax(sorted_logits, dim=-1), p)
+
+
+def _keep_mass(logits: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, p: float):
+    """``logits`` with the tokens in ``order`` (``probs``: theirs) kept until their mass
+    reaches ``p``: the one that crosses it, and the first, stay."""
+    drop = probs.cumsum(dim=-1) - probs >= p        # the mass of the tokens ranked above
     drop[0] = False
     return logits.index_fill(0, order[drop], float("-inf"))
 
 
 def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Min-p sampling (vLLM's and transformers' ``min_p``): the tokens at least ``p`` times as
-    likely as the likeliest stay; the likeliest always stays."""
+    """Min-p (vLLM's and transformers'): the tokens at least ``p`` times as likely as the
+    likeliest stay."""
     probs = torch.softmax(logits, dim=-1)
     return logits.masked_fill(probs < p * probs.max(), float("-inf"))
 
 
 def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Typical sampling (Meister et al., 2022; transformers' ``typical_p``): rank tokens by how
-    far their surprise (-log prob) is from the distribution's entropy, closest first, and keep
-    them until their probabilities add up to ``p`` (the one that crosses ``p`` too)."""
+    """Typical sampling (Meister et al., 2022): the tokens whose surprise (-log prob) is
+    nearest the entropy stay, until their mass reaches ``p``."""
     if p >= 1.0:
         return logits
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -120,34 +94,24 @@ def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum()
     distance = (-logprobs - entropy).abs()
     order = torch.argsort(distance)                # most typical first
-    before = probs[order].cumsum(dim=-1) - probs[order]
-    drop = before >= p
-    drop[0] = False
-    return logits.index_fill(0, order[drop], float("-inf"))
+    return _keep_mass(logits, order, probs[order], p)
 
 
 def sample(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from a row's logits: temperature, then top-k, top-p, typical-p and
-    min-p, with the request's ``generator``. Returns the token and its log probability under
-    the distribution it was drawn from."""
+    """Draw one token from a row's logits reshaped by the request's rules: the token and its
+    log probability under the distribution it was drawn from."""
     x = logits.detach().to("cpu", torch.float32)
     if params.temperature is not None:
         x = x / params.temperature
-    if params.top_k is not None:
-        x = top_k_filter(x, params.top_k)
-    if params.top_p is not None:
-        x = top_p_filter(x, params.top_p)
-    if params.typical_p is not None:
-        x = typical_filter(x, params.typical_p)
-    if params.min_p is not None:
-        x = min_p_filter(x, params.min_p)
+    for keep, value in ((top_k_filter, params.top_k), (top_p_filter, params.top_p),
+                        (typical_filter, params.typical_p), (min_p_filter, params.min_p)):
+        if value is not None:
+            x = keep(x, value)
     check_finite(x)
     logprobs = torch.log_softmax(x, dim=-1)
     token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
     return token, float(logprobs[token])
 
-
-# --- 3. reporting ---------------------------------------------------------------------------
 
 def finite(value: float) -> float:
     """JSON has no -inf: a log probability of an impossible token is reported as -1e9."""
@@ -163,30 +127,24 @@ def top_alternatives(logprobs: torch.Tensor, n: int, tokenizer) -> list[dict]:
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], tokenizer,
                     alternatives: int | None = None) -> list[dict]:
-    """Every prompt token with its log probability given the tokens before it, from the
-    prefill's logits at the prompt's positions (prompt length, vocab). The first token has no
-    context, so its logprob is None (as in TGI and OpenAI's ``echo``). With ``alternatives``
-    the others also get their top alternatives (OpenAI's ``top_logprobs`` of an echoed
-    prompt, which evaluation harnesses read to tell whether a continuation is greedy)."""
+    """Every prompt token with its log probability given the tokens before it (None for the
+    first, as in TGI and OpenAI's ``echo``), from the logits at the prompt's positions; with
+    ``alternatives``, the top alternatives too (evaluation harnesses read them)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logits.device)
     # Position i predicts token i + 1.
-    values = logprobs[:-1].gather(1, ids.unsqueeze(1)).squeeze(1).tolist() if len(ids) else []
+    values = logprobs[range(len(prompt_ids) - 1), prompt_ids[1:]].tolist()
     out = [{"id": int(prompt_ids[0]), "text": tokenizer.decode([prompt_ids[0]]), "logprob": None}]
     for i, (token, value) in enumerate(zip(prompt_ids[1:], values)):
         out.append({"id": int(token), "text": tokenizer.decode([token]),
                     "logprob": finite(value)})
         if alternatives:
-            out[-1]["alternative_tokens"] = top_alternatives(logprobs[i], alternatives,
-                                                             tokenizer)
+            out[-1]["alternative_tokens"] = top_alternatives(logprobs[i], alternatives, tokenizer)
     return out
 
 
-# --- 4. every row by its own rules -------------------------------------------------------------
-
 def guarded(row, function, *args) -> None:
-    """Run one row's part of the choice; an exception fails that row (``row.error``), not the
-    batch. Nothing runs for a row that has failed already."""
+    """Run one row's part of the choice unless it failed already; an exception fails that row
+    (``row.error``), not the batch."""
     if row.error is not None:
         return
     try:
@@ -196,9 +154,7 @@ def guarded(row, function, *args) -> None:
 
 
 class TokenChooser:
-    """``chooser(rows, logits)``: each row's next token by its own rules (``rows``: the
-    sequences, one per row of the (rows, positions, vocab) ``logits``, whose last position is
-    the one to choose from), as lesson 03's and lesson 08's ``choose``. (Lesson 07.)"""
+    """``chooser(rows, logits)``: each row's next token by its own rules. (Lesson 07.)"""
 
     def __init__(self, tokenizer, eos_id: int | None, pad_id: int):
         self.tokenizer = tokenizer
@@ -213,42 +169,31 @@ class TokenChooser:
                 if row.adjusts_logits:
                     guarded(row, self._adjust, row, last[i])
         logprobs = torch.log_softmax(last, dim=-1)
-        tokens = greedy(last)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=last.device)[:, None])
-        chosen = chosen.squeeze(1).tolist()
+        tokens = last.argmax(dim=-1).tolist()
+        chosen = logprobs[range(len(rows)), tokens].tolist()
         broken = (torch.isnan(last).any(dim=-1) | torch.isposinf(last).any(dim=-1)).tolist()
         for i, row in enumerate(rows):
             if broken[i]:
                 guarded(row, check_finite, last[i])
-            if row.error is None:
-                guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
+            guarded(row, self._pick, row, tokens[i], chosen[i], last[i], logprobs[i])
         return [row.choice[0] if row.error is None and row.choice[0] is not None
                 else self.pad_id for row in rows]
 
-    def score_prompt(self, row, logits: torch.Tensor, outgoing: list) -> None:
-        """The PromptEvent: every prompt token's logprob, from the logits at its positions."""
-        tokens = prompt_logprobs(logits, row.prompt_ids, self.tokenizer,
-                                          row.params.alternatives)
-        outgoing.append((row, PromptEvent(tokens)))
-
     def _adjust(self, row, logits: torch.Tensor) -> None:
-        """A row's logits after its penalties, its logit bias and its grammar's mask."""
         params = row.params
         if row.penalty is not None:
             repetition_penalty(logits, row.prompt_ids + row.ids, row.penalty)
         if params.frequency_penalty or params.presence_penalty:
             frequency_presence_penalty(logits, row.counts, params.frequency_penalty,
-                                                params.presence_penalty)
+                                       params.presence_penalty)
         if params.logit_bias:
             add_logit_bias(logits, params.logit_bias)
         if row.matcher is not None:
-            budget = row.max_new_tokens - row.count - 1   # tokens left after this one
-            row.matcher.apply(logits, budget)
+            row.matcher.apply(logits, row.max_new_tokens - row.count - 1)   # tokens left after it
 
     def _pick(self, row, token: int, logprob: float, logits: torch.Tensor,
               logprobs: torch.Tensor) -> None:
-        """Set ``row.choice``: the greedy ``token`` unless the row samples, its logprob, and
-        the top alternatives if asked."""
+        """Set ``row.choice``: (token, logprob, alternatives), ``token`` unless the row samples."""
         if row.max_new_tokens == 0:                 # prefill only: nothing is chosen
             row.choice = (None, None, None)
             return
@@ -259,17 +204,13 @@ class TokenChooser:
             token, logprob = sample(logits, row.params, row.generator)
         alternatives = None
         if row.params.alternatives:
-            alternatives = top_alternatives(logprobs, row.params.alternatives,
-                                                     self.tokenizer)
+            alternatives = top_alternatives(logprobs, row.params.alternatives, self.tokenizer)
         row.choice = (token, logprob, alternatives)
 
 
-# --- 5. one sequence ----------------------------------------------------------------------
-
 class Sequence:
-    """One sequence of a submission (a prompt, or one copy of it for ``best_of``/``n``), from
-    the queue to its last token: its rules, its tokens, its text; ``accept`` alone decides
-    when it is finished."""
+    """One sequence of a submission (a prompt, or a copy of it for ``best_of``/``n``), from the
+    queue to its last token; ``accept`` alone decides when it is finished."""
 
     def __init__(self, number: int, handle: Handle, sequence: int, admitted: Admitted,
                  params: GenerationParams, seed: int | None, tokenizer, eos_id: int | None):
@@ -284,10 +225,7 @@ class Sequence:
         self.submitted = time.perf_counter()
         self.tokenizer = tokenizer
         self.eos_id = eos_id
-        self.generator = None
-        if params.sampling:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed) if params.sampling else None
         self.error: BaseException | None = None      # set if this row failed (alone)
         self.matcher = None
         if admitted.grammar is not None:
@@ -297,15 +235,13 @@ class Sequence:
                 self.error = err
         self.penalty = (params.repetition_penalty
                         if params.repetition_penalty not in (None, 1.0) else None)
-        # ignore_eos_token: EOS is an ordinary token that does not end the request (as in TGI
-        # and LoRAX, and as generate_sequential(stop_at_eos=False)). Not with a grammar, where
-        # EOS is only allowed once the answer is complete.
+        # ignore_eos_token: EOS is an ordinary token (as in TGI and LoRAX); not with a grammar,
+        # which allows EOS only once the answer is complete.
         self.ignore_eos = params.ignore_eos_token and self.matcher is None
         self.ids: list[int] = []       # generated tokens (EOS only with ignore_eos)
         self.counts: Counter = Counter()   # how often each of them was generated
         self.count = 0                 # generated tokens, EOS included
-        self.text = ""                 # text handed out so far
-        self.decoder = None            # its IncrementalDecoder (tokens.py), from the first token
+        self.decoder = IncrementalDecoder(tokenizer)     # the text handed out so far
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.choice: tuple | None = None   # (token, logprob, alternatives) of this step
         self.finished = False
@@ -341,8 +277,7 @@ class Sequence:
                 reason = "stop_sequence"
         if reason is None and self.count >= self.max_new_tokens:
             reason = "length"
-        out = {"id": int(token), "text": piece, "logprob": finite(logprob),
-               "special": special}
+        out = {"id": int(token), "text": piece, "logprob": finite(logprob), "special": special}
         if alternatives is not None:
             out["alternative_tokens"] = alternatives
         self.finished = reason is not None
@@ -360,22 +295,14 @@ class Sequence:
                           "has the details")
 
     def _add_text(self) -> tuple[str, int | None]:
-        """The new piece of text, and where a stop sequence starts in the text (None if none
-        matched), decoding only the last few tokens (``tokens.IncrementalDecoder``)."""
-        if self.decoder is None:
-            self.decoder = IncrementalDecoder(self.tokenizer)
+        """The new piece of text, and where a stop sequence it completes starts (or None)."""
         piece = self.decoder.add(self.ids[-1])
         if self.count >= self.max_new_tokens:
             piece += self.decoder.flush()
-        stop_at = None
-        stops = self.params.stop
-        if stops and piece:
-            start = max(0, len(self.text) - self.longest_stop + 1)
-            text = self.text + piece
-            found = [pos for pos in (text.find(s, start) for s in stops) if pos >= 0]
-            stop_at = min(found) if found else None
-        self.text += piece
-        return piece, stop_at
+        text = self.decoder.text
+        start = max(0, len(text) - len(piece) - self.longest_stop + 1)
+        found = [pos for pos in (text.find(s, start) for s in self.params.stop) if pos >= 0]
+        return piece, min(found, default=None)
 
     def _finish(self, reason: str, stop_at: int | None) -> Finish:
         return Finish(reason, self.tokenizer.decode(self.ids), self.count,
