@@ -313,8 +313,9 @@ class Grammars:
             self._compiling.pop(key, None)
             if isinstance(outcome, Compiled) and outcome.nbytes <= self.cache_bytes:
                 self._cache[key] = outcome
-                while sum(c.nbytes for c in self._cache.values()) > self.cache_bytes:
-                    self._cache.popitem(last=False)         # least recently used first
+                total = sum(c.nbytes for c in self._cache.values())
+                while total > self.cache_bytes:             # least recently used out first
+                    total -= self._cache.popitem(last=False)[1].nbytes
         if isinstance(outcome, Compiled):
             future.set_result(outcome)
         else:
